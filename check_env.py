@@ -1,0 +1,87 @@
+"""The document's environment check: what this machine has, and which way the lab will run on it.
+
+    python check_env.py               # the report (make check)
+    python check_env.py --lab-device  # only 'cuda' or 'cpu': the device `make lab` passes to train.py
+
+The lab runs two processes: on two GPUs (NCCL, one process per GPU) when at least two are visible, else on
+CPU (gloo). BF16 autocast is used on both; this check runs a small BF16 convolution to show it works here.
+"""
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+from lab import DOCUMENTED, ArgumentParser
+
+WORLD_SIZE = DOCUMENTED["world_size"]
+DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
+
+
+def lab_device():
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE else "cpu"
+
+
+def os_name():
+    release = Path("/etc/os-release")
+    if release.is_file():
+        for line in release.read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip('"')
+    return platform.platform()
+
+
+def bf16_autocast_works(device):
+    convolution = torch.nn.Conv2d(3, 8, 3).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        output = convolution(torch.randn(2, 3, 32, 32, device=device))
+    return output.dtype == torch.bfloat16
+
+
+def data_status(data_dir):
+    if (data_dir / "train").is_dir() or (data_dir / "test").is_dir():
+        return f"image folders in {data_dir}/ (train/<class>/, test/<class>/)"
+    if (data_dir / "cifar-10-batches-py").is_dir():
+        return f"torchvision's CIFAR-10 in {data_dir}/"
+    return f"absent: rank 0 downloads CIFAR-10 (163 MB) into {data_dir}/ on the first run"
+
+
+def main():
+    parser = ArgumentParser(prog="check_env.py", description="Report this machine and the way the lab will run.")
+    parser.add_argument("--lab-device", action="store_true", help="print only cuda or cpu")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    args = parser.parse_args()
+    device = lab_device()
+    if args.lab_device:
+        print(device)
+        return
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"OS:               {os_name()}")
+    print(f"Python:           {sys.version.split()[0]}")
+    print(f"torch:            {torch.__version__}")
+    print(f"torchvision:      {torchvision.__version__}")
+    print(f"CUDA runtime:     {torch.version.cuda}")
+    print(f"GPU count:        {gpus}" + "".join(f"\n  GPU {i}: {torch.cuda.get_device_name(i)}" for i in range(gpus)))
+    if gpus:
+        print(f"BF16 (GPU):       {torch.cuda.is_bf16_supported()}")
+    print(f"BF16 autocast on CPU works: {bf16_autocast_works(torch.device('cpu'))}")
+    free = shutil.disk_usage(".").free / 1e9
+    print(f"free disk here:   {free:.1f} GB (the data needs about {DATA_GIGABYTES} GB)")
+    print(f"data:             {data_status(args.data_dir)}")
+    print()
+    if device == "cuda":
+        print(f"The lab will run on GPUs: {WORLD_SIZE} processes, one per GPU, NCCL, BF16 autocast.")
+    else:
+        print(
+            f"The lab will run on CPU: {WORLD_SIZE} processes with gloo, BF16 autocast on CPU "
+            f"({gpus} GPU(s) visible; the GPU path needs {WORLD_SIZE})."
+        )
+    if free < DATA_GIGABYTES:
+        print(f"Not enough free disk for the data: free at least {DATA_GIGABYTES} GB here.")
+
+
+if __name__ == "__main__":
+    main()

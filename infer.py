@@ -1,0 +1,149 @@
+"""Classify PNG/JPEG images with a checkpoint written by train.py.
+
+    python infer.py --checkpoint artifacts/no_sync/model.pt --image artifacts/no_sync/sample_test.png
+    python infer.py --checkpoint artifacts/no_sync/model.pt --image photos/ cat.jpg --top-k 3
+
+One image file prints the document's JSON: the class, its confidence and all ten probabilities. Several
+files or folders (searched recursively for .png, .jpg, .jpeg) print one JSON object per line, each with its
+path; a file that is not a readable image gets a line {"path", "error"} and the others go on; the exit code is
+1 if any failed. Any picture works: it is made RGB and resized to 32x32, then normalized as in training.
+The checkpoint is loaded with weights_only=True: tensors and plain data only, never pickled code.
+"""
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+import lab
+from model import CLASSES, CheckpointError, inference_transform, load_checkpoint
+
+SCRIPT = "infer.py"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+BATCH_SIZE = 256
+
+
+def top_k_value(text):
+    value = lab.positive_int(text)
+    if value > len(CLASSES):
+        raise argparse.ArgumentTypeError(f"must be at most {len(CLASSES)} (the number of classes), got {value}")
+    return value
+
+
+def parse_args():
+    parser = lab.ArgumentParser(prog=SCRIPT, description="Classify PNG/JPEG images with a saved CifarCNN.")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="model.pt written by train.py")
+    parser.add_argument("--image", type=Path, nargs="+", required=True, help="image files and/or folders")
+    parser.add_argument("--top-k", type=top_k_value, help="also list the K most likely classes")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return parser.parse_args()
+
+
+def choose_device(requested):
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise lab.LabError("--device cuda: no CUDA device is visible (check nvidia-smi), or pass --device cpu")
+    return torch.device(requested)
+
+
+def collect_images(paths):
+    """(path, error or None) for every image to classify, folders expanded, in the order given."""
+    items = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            items.extend((p, None) for p in found)
+            if not found:
+                items.append((path, "no PNG or JPEG images in this folder"))
+        elif path.is_file():
+            items.append((path, None))
+        else:
+            items.append((path, "no such file or folder"))
+    return items
+
+
+def read_image(path):
+    """The image as a normalized 3 x 32 x 32 tensor; OSError or ValueError with the reason if it cannot be."""
+    if path.stat().st_size == 0:
+        raise ValueError("the file is empty")
+    with warnings.catch_warnings():
+        # Pillow only warns between 89 and 179 million pixels; refuse those too rather than decode them.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:
+                return inference_transform(image.convert("RGB"))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            raise ValueError(f"refused, too many pixels: {error}") from None
+
+
+def prediction(probabilities, top_k):
+    predicted = int(probabilities.argmax())
+    result = {
+        "class": CLASSES[predicted],
+        "confidence": float(probabilities[predicted]),
+        "probabilities": {name: float(probabilities[index]) for index, name in enumerate(CLASSES)},
+    }
+    if top_k:
+        values, indices = probabilities.topk(top_k)
+        result["top_k"] = [{"class": CLASSES[int(i)], "probability": float(v)} for v, i in zip(values, indices)]
+    return result
+
+
+def classify(model, tensors, device):
+    with torch.inference_mode():
+        return model(torch.stack(tensors).to(device)).float().softmax(dim=1).cpu()
+
+
+def main():
+    args = parse_args()
+    try:
+        model, _ = load_checkpoint(args.checkpoint)
+    except CheckpointError as error:
+        raise lab.LabError(str(error)) from None
+    device = choose_device(args.device)
+    model.to(device)
+
+    if len(args.image) == 1 and not args.image[0].is_dir():
+        # One file: the document's output form.
+        path = args.image[0]
+        if not path.is_file():
+            raise lab.LabError(f"image not found: {path}")
+        try:
+            tensor = read_image(path)
+        except (OSError, ValueError) as error:
+            raise lab.LabError(f"{path}: not a readable image ({error})") from None
+        print(json.dumps(prediction(classify(model, [tensor], device)[0], args.top_k), indent=2))
+        return 0
+
+    items = collect_images(args.image)
+    if all(error for _, error in items):
+        raise lab.LabError(f"no PNG or JPEG images found in: {', '.join(map(str, args.image))}")
+    failed = 0
+    for start in range(0, len(items), BATCH_SIZE):
+        lines, tensors, waiting = [], [], []
+        for path, error in items[start : start + BATCH_SIZE]:
+            if error is None:
+                try:
+                    tensors.append(read_image(path))
+                    waiting.append(len(lines))
+                except (OSError, ValueError) as read_error:
+                    error = f"not a readable image ({read_error})"
+            lines.append({"path": str(path), "error": error})
+        if tensors:
+            for line_index, probabilities in zip(waiting, classify(model, tensors, device)):
+                lines[line_index] = {"path": lines[line_index]["path"], **prediction(probabilities, args.top_k)}
+        for line in lines:
+            failed += "error" in line
+            print(json.dumps(line), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT)

@@ -1,0 +1,109 @@
+"""The CIFAR-10 CNN, its class names and its preprocessing, used identically by training and inference.
+
+    python -c "from model import CifarCNN; print(sum(p.numel() for p in CifarCNN().parameters()))"
+    558538
+
+(The document says 445,834; the network it defines has 558,538 parameters: convolutions 1,728 + 36,864 +
+73,728 + 147,456 + 294,912, BatchNorm 1,280, linear 2,570. tests/test_model.py checks the true count.)
+"""
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision import transforms
+
+CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+# Per-channel mean and standard deviation of the CIFAR-10 training images.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGE_SIZE = 32
+
+normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+eval_transform = transforms.Compose([transforms.ToTensor(), normalize])
+# Any picture a user hands to infer.py: made RGB by the caller, then brought to the training size.
+inference_transform = transforms.Compose([transforms.Resize((IMAGE_SIZE, IMAGE_SIZE)), eval_transform])
+
+
+class CifarCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(64, 64, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(128),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(128, 128, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(128),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(128, 256, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(256),
+            nn.ReLU(inplace=True),
+            # A mean over H and W: its backward is deterministic on CUDA too.
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.classifier = nn.Linear(256, len(CLASSES))
+
+    def forward(self, inputs):
+        features = self.features(inputs)
+        return self.classifier(features.flatten(1))
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong with it."""
+
+
+def load_checkpoint(path):
+    """Load model.pt safely (weights_only: tensors and plain data, never pickled code) into a CifarCNN.
+
+    Returns (model in eval mode, the checkpoint dict).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path} (train first, or pass the path of a model.pt)")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint is empty: {path} (it was not written completely; train again)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise CheckpointError(
+            f"checkpoint refused: {path} holds objects other than tensors and plain data "
+            f"({first_line}); it was not executed. Use a model.pt written by train.py"
+        ) from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
+        raise CheckpointError(
+            f"checkpoint unreadable: {path} is truncated or not a PyTorch file ({error}); train again"
+        ) from None
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+        raise CheckpointError(f"checkpoint has no 'model' state dict: {path}; use a model.pt written by train.py")
+    if tuple(checkpoint.get("classes", ())) != CLASSES:
+        raise CheckpointError(f"checkpoint classes differ from model.CLASSES: {path}; use a model.pt written by train.py")
+    model = CifarCNN()
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except (RuntimeError, TypeError, AttributeError) as error:
+        summary = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"checkpoint does not fit CifarCNN: {path} ({summary})") from None
+    model.eval()
+    return model, checkpoint

@@ -1,0 +1,227 @@
+"""The lab's pictures, drawn with Pillow alone (already a dependency; a heatmap, lines and bars need no more).
+
+Each function returns (image, data): `data` holds the plotted numbers and where they were drawn, in pixels.
+It is stored in the PNG as a text chunk, so a test can check that the picture shows the JSON's numbers.
+"""
+import math
+
+from PIL import Image, ImageDraw, ImageFont
+
+WHITE = (255, 255, 255)
+INK = (33, 33, 33)
+GRID = (222, 222, 222)
+HEAT = (8, 69, 148)  # the darkest shade of the confusion matrix
+MODE_COLOURS = {"every": (31, 119, 180), "no_sync": (227, 111, 30)}
+# every is drawn wide and no_sync narrow on top of it, so both stay visible where the two runs agree.
+LINE_WIDTHS = {"every": 7, "no_sync": 3}
+MARKER_RADII = {"every": 7, "no_sync": 4}
+
+
+def font(size):
+    return ImageFont.load_default(size=size)
+
+
+def text_size(draw, text, text_font):
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=text_font)
+    return right - left, bottom - top
+
+
+def centred_text(draw, centre, text, text_font, fill=INK):
+    draw.text(centre, text, font=text_font, fill=fill, anchor="mm")
+
+
+def vertical_text(image, centre, text, text_font, fill=INK):
+    """Text rotated 90 degrees counter-clockwise, centred on `centre`."""
+    width, height = text_size(ImageDraw.Draw(image), text, text_font)
+    label = Image.new("RGBA", (width + 8, height + 8), (0, 0, 0, 0))
+    ImageDraw.Draw(label).text((4, 4), text, font=text_font, fill=fill)
+    label = label.rotate(90, expand=True)
+    image.paste(label, (round(centre[0] - label.width / 2), round(centre[1] - label.height / 2)), label)
+
+
+def heat_shade(fraction):
+    """White for 0, HEAT for 1, linear between."""
+    return tuple(round(255 + (channel - 255) * fraction) for channel in HEAT)
+
+
+def confusion_matrix_image(matrix, classes, title):
+    """A heatmap of counts, rows true and columns predicted; each cell shaded by its share of its row."""
+    cell, left, top = 56, 118, 118
+    size = len(classes)
+    width, height = left + cell * size + 24, top + cell * size + 48
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    label_font, count_font = font(13), font(14)
+    centred_text(draw, (width / 2, 18), title, font(17))
+    centred_text(draw, (left + cell * size / 2, 42), "predicted class", font(14))
+    vertical_text(image, (16, top + cell * size / 2), "true class", font(14))
+    cells = []
+    for row, counts in enumerate(matrix):
+        row_total = max(sum(counts), 1)
+        for column, count in enumerate(counts):
+            x0, y0 = left + column * cell, top + row * cell
+            fraction = count / row_total
+            draw.rectangle((x0, y0, x0 + cell - 1, y0 + cell - 1), fill=heat_shade(fraction), outline=GRID)
+            centred_text(draw, (x0 + cell / 2, y0 + cell / 2), str(count), count_font, WHITE if fraction > 0.5 else INK)
+            cells.append([x0, y0, x0 + cell - 1, y0 + cell - 1])
+    for index, name in enumerate(classes):
+        draw.text((left - 8, top + index * cell + cell / 2), name, font=label_font, fill=INK, anchor="rm")
+        vertical_text(image, (left + index * cell + cell / 2, top - 36), name, label_font)
+    caption = "count in each cell; shade = share of the true class's test images"
+    centred_text(draw, (left + cell * size / 2, top + cell * size + 22), caption, font(13))
+    return image, {"matrix": matrix, "cells": cells}
+
+
+def nice_ticks(low, high, count=5):
+    """Round tick values covering [low, high]."""
+    if high <= low:
+        high = low + 1
+    raw_step = (high - low) / count
+    magnitude = 10 ** math.floor(math.log10(raw_step))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw_step)
+    first = math.floor(low / step) * step
+    last = math.ceil(high / step) * step
+    return [round(first + i * step, 10) for i in range(round((last - first) / step) + 1)]
+
+
+def tick_label(value):
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:g}"
+
+
+class Axes:
+    """One panel: a frame, grid, ticks and labels, and the mapping from data to pixels."""
+
+    def __init__(self, image, box, x_range, y_ticks, title, x_label, y_label):
+        self.image, self.draw = image, ImageDraw.Draw(image)
+        self.left, self.top, self.right, self.bottom = box
+        self.x_range = x_range
+        self.y_range = (y_ticks[0], y_ticks[-1])
+        small = font(12)
+        for tick in y_ticks:
+            y = self.y(tick)
+            self.draw.line((self.left, y, self.right, y), fill=GRID)
+            self.draw.text((self.left - 6, y), tick_label(tick), font=small, fill=INK, anchor="rm")
+        for epoch in range(math.ceil(x_range[0]), math.floor(x_range[1]) + 1):
+            self.draw.text((self.x(epoch), self.bottom + 6), str(epoch), font=small, fill=INK, anchor="mt")
+        self.draw.rectangle(box, outline=INK)
+        centred_text(self.draw, ((self.left + self.right) / 2, self.top - 16), title, font(15))
+        centred_text(self.draw, ((self.left + self.right) / 2, self.bottom + 30), x_label, font(13))
+        vertical_text(image, (self.left - 58, (self.top + self.bottom) / 2), y_label, font(13))
+
+    def x(self, value):
+        low, high = self.x_range
+        return round(self.left + (value - low) / (high - low) * (self.right - self.left))
+
+    def y(self, value):
+        low, high = self.y_range
+        return round(self.bottom - (value - low) / (high - low) * (self.bottom - self.top))
+
+
+def dashed_line(draw, start, end, fill, width, dash=7):
+    length = math.dist(start, end)
+    pieces = max(int(length // dash), 1)
+    for piece in range(0, pieces, 2):
+        a, b = piece / pieces, min((piece + 1) / pieces, 1)
+        draw.line(
+            (start[0] + (end[0] - start[0]) * a, start[1] + (end[1] - start[1]) * a,
+             start[0] + (end[0] - start[0]) * b, start[1] + (end[1] - start[1]) * b),
+            fill=fill,
+            width=width,
+        )
+
+
+def series_line(draw, start, end, colour, dashed, width=3):
+    if dashed:
+        dashed_line(draw, start, end, colour, width)
+    else:
+        draw.line((*start, *end), fill=colour, width=width)
+
+
+def legend(draw, origin, entries):
+    """entries: (label, colour, dashed or None for a filled box) drawn in one row from origin."""
+    x, y = origin
+    label_font = font(13)
+    for label, colour, dashed in entries:
+        if dashed is None:
+            draw.rectangle((x + 6, y - 8, x + 24, y + 8), fill=colour)
+        else:
+            series_line(draw, (x, y), (x + 30, y), colour, dashed)
+            draw.ellipse((x + 11, y - 4, x + 19, y + 4), fill=colour)
+        draw.text((x + 38, y), label, font=label_font, fill=INK, anchor="lm")
+        x += 48 + text_size(draw, label, label_font)[0] + 24
+
+
+def panel_grid(columns, rows, panel_width=430, panel_height=260):
+    """Canvas size and each panel's box, leaving room for titles, tick labels and the legend."""
+    margin_left, margin_top, gap_x, gap_y = 96, 76, 110, 92
+    width = margin_left + columns * panel_width + (columns - 1) * gap_x + 30
+    height = margin_top + rows * panel_height + (rows - 1) * gap_y + 84
+    boxes = []
+    for row in range(rows):
+        for column in range(columns):
+            left = margin_left + column * (panel_width + gap_x)
+            top = margin_top + row * (panel_height + gap_y)
+            boxes.append((left, top, left + panel_width, top + panel_height))
+    return (width, height), boxes
+
+
+def line_panels(title, panels):
+    """Panels of lines over epochs. panels: [{"title", "y_label", "series": [{"label", "mode", "dashed",
+    "values"}]}]; a series is coloured by its mode, every's before no_sync's. Returns (image, data with each
+    point's pixel)."""
+    (width, height), boxes = panel_grid(len(panels), 1)
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    data = []
+    for panel, box in zip(panels, boxes):
+        values = [value for series in panel["series"] for value in series["values"]]
+        epochs = max(len(series["values"]) for series in panel["series"])
+        axes = Axes(image, box, (0.5, epochs + 0.5), nice_ticks(min(values), max(values)), panel["title"], "epoch", panel["y_label"])
+        drawn = []
+        for series in panel["series"]:
+            colour, radius = MODE_COLOURS[series["mode"]], MARKER_RADII[series["mode"]]
+            points = [(axes.x(epoch), axes.y(value)) for epoch, value in enumerate(series["values"], start=1)]
+            for start, end in zip(points, points[1:]):
+                series_line(draw, start, end, colour, series["dashed"], LINE_WIDTHS[series["mode"]])
+            for x, y in points:
+                draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=colour)
+            drawn.append(
+                {"label": series["label"], "colour": list(colour), "radius": radius, "values": series["values"], "points": points}
+            )
+        data.append({"title": panel["title"], "series": drawn})
+    legend(draw, (boxes[0][0], height - 26), [(s["label"], MODE_COLOURS[s["mode"]], s["dashed"]) for s in panels[0]["series"]])
+    return image, {"panels": data}
+
+
+def bar_panels(title, panels, columns=2):
+    """Panels of grouped bars per epoch, one bar per mode, from zero. panels: [{"title", "y_label",
+    "bars": {mode: [value per epoch]}}]. Returns (image, data with each bar's pixel box)."""
+    rows = math.ceil(len(panels) / columns)
+    (width, height), boxes = panel_grid(columns, rows)
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    data = []
+    for panel, box in zip(panels, boxes):
+        modes = list(panel["bars"])
+        epochs = max(len(values) for values in panel["bars"].values())
+        top_value = max(max(values) for values in panel["bars"].values())
+        axes = Axes(image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"], "epoch", panel["y_label"])
+        bar_width = (axes.x(1) - axes.x(0)) * 0.8 / len(modes)
+        drawn = {}
+        for index, mode in enumerate(modes):
+            boxes_drawn = []
+            for epoch, value in enumerate(panel["bars"][mode], start=1):
+                x0 = round(axes.x(epoch) - bar_width * len(modes) / 2 + index * bar_width)
+                bar = [x0, axes.y(value), round(x0 + bar_width) - 1, axes.y(0)]
+                draw.rectangle(bar, fill=MODE_COLOURS[mode])
+                boxes_drawn.append(bar)
+            drawn[mode] = {"values": panel["bars"][mode], "boxes": boxes_drawn, "colour": list(MODE_COLOURS[mode])}
+        data.append({"title": panel["title"], "bars": drawn, "zero_y": axes.y(0)})
+    legend(draw, (boxes[0][0], height - 26), [(mode, MODE_COLOURS[mode], None) for mode in panels[0]["bars"]])
+    return image, {"panels": data}

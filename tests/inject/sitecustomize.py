@@ -1,0 +1,40 @@
+"""Loaded at start-up by the tests' subprocesses (the tests put this folder on PYTHONPATH); it changes
+nothing unless a LAB_TEST_* variable asks for it.
+
+LAB_TEST_CIFAR_MD5 (JSON {file name: md5}): torchvision checks the official CIFAR-10 files' md5 sums, and the
+  tests write synthetic files in the official pickle format, so the expected sums are replaced by the
+  synthetic files' own. All the rest of torchvision's loading runs as it is; tests/test_data.py shows that
+  without this replacement torchvision refuses the synthetic files.
+LAB_TEST_CIFAR_URL: where torchvision downloads CIFAR-10 from (the tests use a closed local port).
+LAB_TEST_RAISE_AT_STEP ("<rank>:<step>"): that rank raises torch.OutOfMemoryError in its <step>th optimizer
+  step, as a rank out of memory would.
+"""
+import json
+import os
+
+if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
+    from torchvision.datasets import CIFAR10
+
+    if os.environ.get("LAB_TEST_CIFAR_MD5"):
+        sums = json.loads(os.environ["LAB_TEST_CIFAR_MD5"])
+        CIFAR10.train_list = [[name, sums[name]] for name, _ in CIFAR10.train_list]
+        CIFAR10.test_list = [[name, sums[name]] for name, _ in CIFAR10.test_list]
+        CIFAR10.meta = {**CIFAR10.meta, "md5": sums[CIFAR10.meta["filename"]]}
+    if os.environ.get("LAB_TEST_CIFAR_URL"):
+        CIFAR10.url = os.environ["LAB_TEST_CIFAR_URL"]
+
+if os.environ.get("LAB_TEST_RAISE_AT_STEP"):
+    import torch
+
+    failing_rank, failing_step = map(int, os.environ["LAB_TEST_RAISE_AT_STEP"].split(":"))
+    original_step = torch.optim.AdamW.step
+    steps_taken = 0
+
+    def step_that_runs_out_of_memory(self, *args, **kwargs):
+        global steps_taken
+        steps_taken += 1
+        if int(os.environ.get("RANK", -1)) == failing_rank and steps_taken == failing_step:
+            raise torch.OutOfMemoryError("injected by the test: out of memory in optimizer.step()")
+        return original_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step_that_runs_out_of_memory

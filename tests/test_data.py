@@ -1,0 +1,147 @@
+"""Loading: the seeded split, both on-disk layouts, and the clear errors for data that cannot be used."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+from torchvision.datasets import CIFAR10
+
+import lab
+import synthetic_data
+import train
+from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train
+
+
+@pytest.fixture
+def single_process_group():
+    """read_torchvision_cifar shares rank 0's download result with a broadcast: a group of one serves."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():
+    train_indices, validation_indices = train.split_indices(50_000, 47)
+    permutation = torch.randperm(50_000, generator=torch.Generator().manual_seed(47)).tolist()
+    assert (train_indices, validation_indices) == (permutation[:40_000], permutation[40_000:])
+    assert train.split_indices(50_000, 47) == (train_indices, validation_indices)
+    assert not set(train_indices) & set(validation_indices)
+    assert sorted(train_indices + validation_indices) == list(range(50_000))
+    assert train.split_indices(50_000, 48)[0] != train_indices
+
+
+def test_both_layouts_load_the_same_images(tmp_path, single_process_group, monkeypatch):
+    (train_images, train_labels), (test_images, test_labels) = synthetic_data.write_dataset(
+        tmp_path / "pickles", "torchvision", 100, 30
+    )
+    synthetic_data.write_dataset(tmp_path / "folders", "image-folders", 100, 30)
+    sums = md5_sums(tmp_path / "pickles" / synthetic_data.TORCHVISION_FOLDER)
+    monkeypatch.setattr(CIFAR10, "train_list", [[name, sums[name]] for name, _ in CIFAR10.train_list])
+    monkeypatch.setattr(CIFAR10, "test_list", [[name, sums[name]] for name, _ in CIFAR10.test_list])
+    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums["batches.meta"]})
+
+    pickles = train.load_data(tmp_path / "pickles", rank=0)
+    folders = train.load_data(tmp_path / "folders", rank=0)
+    assert (pickles.layout, folders.layout) == ("torchvision", "image-folders")
+    assert np.array_equal(pickles.train_images, train_images) and pickles.train_labels == train_labels
+    assert np.array_equal(pickles.test_images, test_images) and pickles.test_labels == test_labels
+    # Image folders hold the same images grouped by class (file names keep the original order).
+    order = np.argsort(train_labels, kind="stable")
+    assert np.array_equal(folders.train_images, train_images[order])
+    assert folders.train_labels == sorted(train_labels)
+
+
+def test_torchvision_refuses_files_that_fail_its_checksums(tmp_path, single_process_group, monkeypatch):
+    """Why the end-to-end tests replace the expected md5 sums: without that, torchvision rejects the
+    synthetic batches and tries to download the archive (here from a closed port, failing at once)."""
+    synthetic_data.write_dataset(tmp_path / "pickles", "torchvision", 50, 10)
+    monkeypatch.setattr(CIFAR10, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")
+    with pytest.raises(lab.LabError) as caught:
+        train.load_data(tmp_path / "pickles", rank=0)
+    message = str(caught.value)
+    assert message.startswith(f"CIFAR-10 could not be downloaded into {tmp_path / 'pickles'}/")
+    assert "cifar-10-python.tar.gz" in message and "train/<class>" in message
+
+
+def test_a_jpeg_image_folder_tree_loads(tmp_path):
+    synthetic_data.write_dataset(tmp_path / "data", "image-folders", 20, 10)
+    png = next((tmp_path / "data" / "train" / "cat").iterdir())
+    Image.open(png).save(png.with_suffix(".JPG"), quality=95)
+    png.unlink()
+    source = train.load_data(tmp_path / "data", rank=0)
+    assert source.train_images.shape == (20, 32, 32, 3)
+
+
+@pytest.mark.parametrize(
+    "damage, fragments",
+    [
+        ("missing_class", ("train lacks class folders: dog",)),
+        ("unknown_folder", ("has folders that are not CIFAR-10 classes: kittens",)),
+        ("empty_class", ("holds no PNG or JPEG images",)),
+        ("text_as_png", ("not a readable image", "remove or replace it")),
+        ("wrong_size", ("64x64 pixels, CIFAR-10 images are 32x32",)),
+        ("no_test_split", ("test is missing",)),
+    ],
+)
+def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, fragments):
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 40, 20)
+    if damage == "missing_class":
+        shutil.rmtree(root / "train" / "dog")
+    elif damage == "unknown_folder":
+        (root / "train" / "kittens").mkdir()
+    elif damage == "empty_class":
+        for path in (root / "test" / "frog").iterdir():
+            path.unlink()
+    elif damage == "text_as_png":
+        (root / "train" / "cat" / "notes.png").write_text("not an image")
+    elif damage == "wrong_size":
+        Image.new("RGB", (64, 64)).save(root / "train" / "cat" / "big.png")
+    elif damage == "no_test_split":
+        shutil.rmtree(root / "test")
+    with pytest.raises(lab.LabError) as caught:
+        train.load_data(root, rank=0)
+    assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+
+
+def test_train_py_reports_a_missing_class_in_one_line(tmp_path):
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 40, 20)
+    shutil.rmtree(root / "test" / "ship")
+    result = run_train(root, tmp_path / "out", "every")
+    assert_train_error(result, "train.py: error:", "test lacks class folders: ship")
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_py_reports_an_unreadable_image_in_one_line(tmp_path):
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 40, 20)
+    (root / "train" / "horse" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    result = run_train(root, tmp_path / "out", "every")
+    assert_train_error(result, "broken.png: not a readable image")
+
+
+def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
+    env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
+    result = run_train(tmp_path / "empty", tmp_path / "out", "every", env=env)
+    line = assert_train_error(result, "CIFAR-10 could not be downloaded into")
+    assert "image-folder tree" in line and "cifar-10-python.tar.gz" in line
+
+
+def test_torchvision_layout_end_to_end_counts(tmp_path):
+    """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
+    synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", 1000, 200)
+    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / synthetic_data.TORCHVISION_FOLDER)))
+    for mode, syncs in (("every", 40), ("no_sync", 10)):
+        result = run_train(tmp_path / "cifar", tmp_path / "artifacts" / mode, mode, "--epochs", "1", "--quiet", env=env)
+        assert result.returncode == 0, result.stderr
+        row = json.loads(result.stdout.splitlines()[0])
+        assert (row["optimizer_steps"], row["gradient_syncs"]) == (10, syncs)
+    report = json.loads((tmp_path / "artifacts" / "every" / "report.json").read_text())
+    assert report["config"]["data_layout"] == "torchvision"
+    audit = run_python("verify.py", "--artifacts", tmp_path / "artifacts", "--expect-from-config")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"

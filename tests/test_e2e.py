@@ -1,0 +1,164 @@
+"""train.py under torchrun on two CPU ranks, both modes, then verify.py and infer.py on what it wrote.
+
+The counts are worked out by hand for the small experiment of conftest.py: 400 training images per rank
+and epoch in micro-batches of 10 are 40 micro-batches, 10 windows of 4.
+"""
+import json
+
+import numpy as np
+import torch
+from PIL import Image
+
+import lab
+from conftest import TEST_IMAGES, assert_ok, read_json, run_python, stderr_lines, train
+from model import CLASSES, CifarCNN, eval_transform
+
+GRADIENT_BYTES = 558_538 * 4
+BUFFER_BYTES = 2 * 640 * 4 + 5 * 8  # BatchNorm running mean/var (float32) and 5 int64 counters
+# Buffer broadcasts per epoch (each one collective per dtype: 2): every broadcasts before all 40 training
+# forwards of epoch 1 (39 later: an epoch starts after an evaluation forward) and before the first
+# validation forward; no_sync only before the first forward of each window (10, then 9) and validation.
+EXPECTED = {
+    "every": {"syncs": 40, "buffer_syncs": (41, 40)},
+    "no_sync": {"syncs": 10, "buffer_syncs": (11, 10)},
+}
+
+
+def test_stdout_holds_exactly_the_epoch_lines_and_the_report(lab_runs):
+    _, results = lab_runs
+    for mode, result in results.items():
+        lines = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [line.get("epoch") for line in lines] == [1, 2, None]
+        assert list(lines[0])[:8] == [
+            "epoch",
+            "mode",
+            "optimizer_steps",
+            "gradient_syncs",
+            "train_loss",
+            "train_accuracy",
+            "validation_loss",
+            "validation_accuracy",
+        ]
+        assert lines[-1]["mode"] == mode and "confusion_matrix" in lines[-1]
+
+
+def test_history_has_the_exact_counts_per_epoch(lab_runs):
+    artifacts, _ = lab_runs
+    for mode, expected in EXPECTED.items():
+        history = read_json(artifacts / mode / "history.json")
+        assert len(history) == 2
+        for row, buffer_syncs in zip(history, expected["buffer_syncs"]):
+            assert row["mode"] == mode
+            assert row["optimizer_steps"] == 10
+            assert row["gradient_syncs"] == row["sync_bucket_calls"] == expected["syncs"]
+            assert row["allreduce_bytes"] == expected["syncs"] * GRADIENT_BYTES
+            assert row["buffer_broadcasts"] == 2 * buffer_syncs
+            assert row["broadcast_bytes"] == buffer_syncs * BUFFER_BYTES
+            assert row["rebuild_broadcasts"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
+            assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
+            assert row["train_images_per_second"] > 0
+
+
+def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, tmp_path):
+    """400 images per rank in micro-batches of 100: one window per epoch. no_sync's only sync is the epoch's
+    last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
+    artifacts = tmp_path / "artifacts"
+    for mode in ("every", "no_sync"):
+        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "100", "--quiet"))
+    history = read_json(artifacts / "no_sync" / "history.json")
+    assert [(row["gradient_syncs"], row["buffer_broadcasts"], row["rebuild_broadcasts"]) for row in history] == [
+        (1, 4, 0),
+        (1, 2, 2),
+    ]
+    assert [row["rebuild_broadcasts"] for row in read_json(artifacts / "every" / "history.json")] == [2, 0]
+    result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_working_pipeline_beats_the_majority_baseline(lab_runs):
+    artifacts, _ = lab_runs
+    for mode in EXPECTED:
+        report = read_json(artifacts / mode / "report.json")
+        assert report["baseline_accuracy"] == 0.1  # the synthetic test set is balanced, like CIFAR-10's
+        assert report["model_test_accuracy"] > 0.5
+        assert sum(map(sum, report["confusion_matrix"])) == TEST_IMAGES
+
+
+def test_run_folder_is_complete_and_sealed(lab_runs):
+    artifacts, _ = lab_runs
+    for mode in EXPECTED:
+        folder = artifacts / mode
+        record = read_json(folder / lab.RUN_RECORD_FILE)
+        assert sorted(path.name for path in folder.iterdir()) == sorted([*lab.RUN_FILES, lab.RUN_RECORD_FILE])
+        assert sorted(record["files"]) == sorted(lab.RUN_FILES)
+        for name, entry in record["files"].items():
+            assert entry["sha256"] == lab.sha256_file(folder / name)
+        checkpoint = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+        assert checkpoint["run_id"] == record["run_id"] == read_json(folder / "report.json")["run_id"]
+        assert lab.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
+        config = record["config"]
+        assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 10, 4, 2)
+        assert (config["train_size"], config["validation_size"], config["test_size"]) == (800, 200, TEST_IMAGES)
+        assert (config["device"], config["backend"]) == ("cpu", "gloo")
+        assert lab.unfinished_runs(folder) == []
+
+
+def test_progress_goes_to_stderr_and_quiet_silences_it(lab_runs):
+    _, results = lab_runs
+    progress = [line for line in stderr_lines(results["every"]) if "micro-batches" in line]
+    assert progress and progress[0].startswith("epoch 1/2 train: ") and "img/s per rank" in progress[0]
+    assert any(line.startswith("epoch 1/2 validation: ") for line in stderr_lines(results["every"]))
+    assert not [line for line in stderr_lines(results["no_sync"]) if "micro-batches" in line or "batches," in line]
+
+
+def test_verify_passes_against_the_runs_own_configuration(lab_runs):
+    artifacts, _ = lab_runs
+    result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |" in lines
+    assert any(line.startswith("| every | 10 | 40 | ") for line in lines)
+    assert any(line.startswith("| no_sync | 10 | 10 | ") for line in lines)
+    assert any(line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.86x | 3.86x | 1.00x |") for line in lines), lines
+    assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
+
+
+def test_strict_verify_rejects_a_run_that_is_not_the_documented_one(lab_runs):
+    artifacts, _ = lab_runs
+    result = run_python("verify.py", "--artifacts", artifacts)
+    assert result.returncode == 1
+    error = result.stderr.strip()
+    assert error.startswith(f"RuntimeError: {artifacts}/every/history.json: expected 5 epochs, got 2")
+    assert "--expect-from-config" in error and "AUDIT PASSED" not in result.stdout
+
+
+def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
+    artifacts, _ = lab_runs
+    sample = artifacts / "no_sync" / "sample_test.png"
+    result = run_python("infer.py", "--checkpoint", artifacts / "no_sync" / "model.pt", "--image", sample)
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    assert list(output) == ["class", "confidence", "probabilities"]
+    assert abs(sum(output["probabilities"].values()) - 1) < 1e-5
+    # The same prediction, computed here directly from the saved weights.
+    model = CifarCNN()
+    model.load_state_dict(torch.load(artifacts / "no_sync" / "model.pt", weights_only=True)["model"])
+    model.eval()
+    with torch.no_grad():
+        probabilities = model(eval_transform(Image.open(sample).convert("RGB")).unsqueeze(0)).softmax(1)[0]
+    assert output["class"] == CLASSES[int(probabilities.argmax())]
+    assert np.allclose(list(output["probabilities"].values()), probabilities.tolist(), atol=1e-6)
+
+
+def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path):
+    artifacts, _ = lab_runs
+    assert_ok(train(image_data, tmp_path / "every", "every", "--quiet"))
+    timing = {"comm_seconds", "epoch_seconds", "train_images_per_second", "run_id"}
+    first, second = (read_json(folder / "history.json") for folder in (artifacts / "every", tmp_path / "every"))
+    assert [{k: v for k, v in row.items() if k not in timing} for row in first] == [
+        {k: v for k, v in row.items() if k not in timing} for row in second
+    ]
+    weights = [torch.load(folder / "model.pt", weights_only=True)["model"] for folder in (artifacts / "every", tmp_path / "every")]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    first_report, second_report = (read_json(folder / "report.json") for folder in (artifacts / "every", tmp_path / "every"))
+    assert first_report["confusion_matrix"] == second_report["confusion_matrix"]

@@ -1,0 +1,92 @@
+"""no_sync changes the communication and nothing else: the same updates as `every` and as one process that
+accumulates both ranks' gradients by hand (tests/workers/equivalence.py; CPU, no autocast).
+
+Three comparisons, each after every optimizer step, of the synchronized gradients and the parameters:
+- float32, against a hand-made reference that adds the same numbers in the same order as the mode does
+  (every: the ranks' running sums averaged after each micro-batch; no_sync: each rank's window summed, then
+  averaged once): bit for bit equal. Only the order of floating-point sums can differ, and here it does not.
+- float32, against one plain sum of all micro-batches of all ranks: the first update agrees to 1e-7. Later
+  updates drift (up to about 1e-2): a rounding-level difference flips some ReLU and max-pool decisions,
+  which then changes whole gradient terms. That is why the next comparison is in float64.
+- float64, against the plain sum: every step agrees to rounding (observed below 1e-14), while each broken
+  accumulation (no_sync on the wrong micro-batch, losses not divided by accum_steps, a step inside the window,
+  a short last window divided by accum_steps) is off by far more.
+
+Gradients are compared as well as parameters because AdamW is almost blind to the scale of its gradients:
+parameters alone would hardly show losses left undivided by accum_steps.
+"""
+import json
+
+import pytest
+
+from conftest import WORKERS, assert_ok, torchrun
+
+FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters, every step
+FLOAT32_FIRST_STEP_TOLERANCE = 1e-5  # the same, first update, float32 against the plain sum
+CASES = {"full_windows": (3, {"every": 12, "no_sync": 3}), "partial_window": (4, {"every": 14, "no_sync": 4})}
+MODES = ("every", "no_sync")
+
+
+@pytest.fixture(scope="module")
+def results():
+    result = assert_ok(torchrun(WORKERS.relative_to(WORKERS.parents[1]) / "equivalence.py"))
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def agrees(variant, tolerance, steps=None):
+    steps = slice(steps)
+    return (
+        variant["steps"] == variant["reference_steps"]
+        and variant["ranks_agree"]
+        and max(variant["grad_relative"][steps]) < tolerance
+        and max(variant["param_relative"][steps]) < tolerance
+    )
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_counting_hook_keeps_ddps_averaging(results, precision):
+    assert results[precision]["hook_max_difference"] == 0.0
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_equals_the_reference_summed_in_the_same_order_bit_for_bit(results, case, mode):
+    steps, syncs = CASES[case]
+    variant = results["float32"][case][f"{mode}_vs_same_order"]
+    assert variant["steps"] == variant["reference_steps"] == steps
+    assert variant["gradient_syncs"] == syncs[mode]
+    assert variant["ranks_agree"]
+    assert variant["grad_relative"] == variant["param_relative"] == [0.0] * steps
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_first_update_matches_the_plain_sum(results, case, mode):
+    variant = results["float32"][case][mode]
+    assert agrees(variant, FLOAT32_FIRST_STEP_TOLERANCE, steps=1), variant
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_every_step_matches_the_plain_sum(results, case, mode):
+    steps, syncs = CASES[case]
+    variant = results["float64"][case][mode]
+    assert variant["steps"] == variant["reference_steps"] == steps
+    assert variant["gradient_syncs"] == syncs[mode]
+    assert agrees(variant, FLOAT64_TOLERANCE), variant
+
+
+@pytest.mark.parametrize(
+    "case, broken",
+    [
+        ("full_windows", "broken_no_sync_on_wrong_micro_batch"),
+        ("full_windows", "broken_loss_not_divided"),
+        ("full_windows", "broken_step_inside_window"),
+        ("partial_window", "broken_short_window_divided_by_accum_steps"),
+    ],
+)
+def test_the_comparison_catches_a_broken_accumulation(results, case, broken):
+    variant = results["float64"][case][broken]
+    assert not agrees(variant, FLOAT64_TOLERANCE), variant
+    # Not by a hair: a broken plan is off by orders of magnitude more than the tolerance.
+    assert variant["steps"] != variant["reference_steps"] or max(variant["grad_relative"]) > 1e-3

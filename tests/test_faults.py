@@ -1,0 +1,175 @@
+"""train.py under faults and bad input: one clear line, a non-zero exit, no hang, nothing half-written."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import lab
+import synthetic_data
+from conftest import (
+    REPO,
+    SMALL_RUN,
+    TORCHRUN,
+    assert_ok,
+    assert_one_line_error,
+    assert_train_error,
+    read_json,
+    run_python,
+    subprocess_env,
+    train,
+)
+
+
+def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
+    result = run_python("train.py", "--mode", "no_sync", "--output", tmp_path / "out")
+    line = assert_one_line_error(result, "ValueError: expected world_size=2, got 1")
+    assert line.startswith("ValueError: expected world_size=2, got 1") and "torchrun --standalone" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--epochs", "0", "argument --epochs: must be at least 1, got 0"),
+        ("--batch-size", "-50", "argument --batch-size: must be at least 1, got -50"),
+        ("--accum-steps", "four", "argument --accum-steps: expected a positive whole number, got 'four'"),
+        ("--progress-every", "-1", "argument --progress-every: must be a finite number of at least 0, got -1"),
+        ("--mode", "sometimes", "argument --mode: invalid choice: 'sometimes'"),
+    ],
+)
+def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
+    args = {"--mode": "every", "--output": str(tmp_path / "out"), option: value}
+    result = run_python("train.py", *[part for pair in args.items() for part in pair])
+    line = assert_one_line_error(result, message)
+    assert line.startswith("train.py: error: ") and "--help" in line
+
+
+def test_an_output_path_that_is_a_file_is_refused(image_data, tmp_path):
+    (tmp_path / "out").write_text("a file")
+    result = train(image_data, tmp_path / "out", "every")
+    assert_train_error(result, "--output", "is a file; pass a folder path")
+
+
+def test_an_output_path_that_cannot_be_written_is_refused(image_data):
+    result = train(image_data, Path("/sys/ddp-no-sync-lab/every"), "every")  # refused even to root
+    assert_train_error(result, "--output /sys/ddp-no-sync-lab/every is not writable")
+
+
+def test_an_output_folder_with_foreign_files_is_never_replaced(image_data, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "thesis.tex").write_text("keep me")
+    result = train(image_data, tmp_path / "out", "every")
+    assert_train_error(result, "holds files that are not lab artifacts")
+    assert (tmp_path / "out" / "thesis.tex").read_text() == "keep me"
+
+
+def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):
+    result = train(image_data, tmp_path / "out", "every", "--device", "cuda")
+    assert_train_error(result, "--device cuda needs one GPU per process: 2 processes on this node, 0 GPU(s) visible")
+
+
+def test_a_partial_last_window_stops_before_training_with_the_documents_message(image_data, tmp_path):
+    # 400 images per rank in micro-batches of 30: 14 micro-batches, not a multiple of 4.
+    result = train(image_data, tmp_path / "out", "every", "--batch-size", "30")
+    line = assert_train_error(result, "RuntimeError: 14 micro-batch-uri nu se împart exact la accum_steps=4")
+    assert "--partial-window scale" in line
+    assert not tmp_path.joinpath("out").exists() and lab.unfinished_runs(tmp_path / "out") == []
+
+
+def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    for mode, syncs in (("every", 14), ("no_sync", 4)):
+        result = assert_ok(
+            train(image_data, artifacts / mode, mode, "--batch-size", "30", "--partial-window", "scale", "--epochs", "1", "--quiet")
+        )
+        row = json.loads(result.stdout.splitlines()[0])
+        assert (row["optimizer_steps"], row["gradient_syncs"]) == (4, syncs)
+    audit = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"
+
+
+def child_pids(parent):
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def rank_pid(launcher, rank):
+    for pid in child_pids(launcher):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} under torchrun {launcher}")
+
+
+def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs, image_data, tmp_path):
+    artifacts, _ = lab_runs
+    output = tmp_path / "every"
+    shutil.copytree(artifacts / "every", output)
+    previous_run = read_json(output / lab.RUN_RECORD_FILE)["run_id"]
+    launcher = subprocess.Popen(
+        [*TORCHRUN, str(REPO / "train.py"), "--mode", "every", "--output", str(output), "--data-dir", str(image_data), *SMALL_RUN, "--epochs", "50", "--progress-every", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+    )
+    try:
+        for line in launcher.stderr:  # wait until training is under way
+            if "train:" in line:
+                break
+        os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, rest = launcher.communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
+    assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
+    # The output still holds the previous complete run; the interrupted one is only a partial folder.
+    assert read_json(output / lab.RUN_RECORD_FILE)["run_id"] == previous_run
+    assert len(lab.unfinished_runs(output)) == 1
+    shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
+    audit = run_python("verify.py", "--artifacts", tmp_path, "--expect-from-config")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert f"every: run {previous_run}" in audit.stdout
+    assert "note: an unfinished run" in audit.stdout and "holds the previous complete run" in audit.stdout
+
+
+def test_a_rank_that_raises_takes_the_job_down(image_data, tmp_path):
+    started = time.monotonic()
+    result = train(image_data, tmp_path / "out", "every", env=subprocess_env(LAB_TEST_RAISE_AT_STEP="1:3"))
+    assert result.returncode == 1
+    assert time.monotonic() - started < 120
+    assert "rank      : 1 (local_rank: 1)" in result.stderr  # torchrun's report names the failed rank
+    assert "OutOfMemoryError: injected by the test" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
+    """The synthetic data are learnable only through their labels: with the training labels shuffled
+    the same pipeline stays near chance, so the quick run's accuracy means something."""
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 1000, 200)
+    files = sorted((root / "train").rglob("*.png"))
+    targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
+    for index, (path, target) in enumerate(zip(files, targets)):
+        path.rename(target / f"shuffled-{index:05d}.png")
+    assert_ok(train(root, tmp_path / "out", "every", "--quiet"))
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["model_test_accuracy"] < 0.25, report["model_test_accuracy"]

@@ -1,0 +1,123 @@
+"""The model's facts and the arithmetic of the audit, checked against numbers worked out by hand."""
+import pytest
+import torch
+
+import lab
+from model import CLASSES, CIFAR10_MEAN, CIFAR10_STD, CifarCNN
+
+# Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.
+PARAMETERS = 1_728 + 36_864 + 73_728 + 147_456 + 294_912 + 1_280 + 2_570
+GRADIENT_BYTES = PARAMETERS * 4  # float32 gradients
+# BatchNorm buffers: running mean and variance (float32) of 64+64+128+128+256 channels, and one int64
+# num_batches_tracked per layer.
+BUFFER_BYTES = 2 * (64 + 64 + 128 + 128 + 256) * 4 + 5 * 8
+
+
+def test_model_output_shape_and_true_parameter_count():
+    model = CifarCNN()
+    output = model(torch.zeros(2, 3, 32, 32))
+    assert tuple(output.shape) == (2, 10)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS == 558_538
+
+
+def test_class_names_and_normalization_are_the_documents():
+    assert CLASSES == ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+    assert CIFAR10_MEAN == (0.4914, 0.4822, 0.4465)
+    assert CIFAR10_STD == (0.2470, 0.2435, 0.2616)
+
+
+def test_communication_sizes_fit_one_bucket():
+    sizes = lab.comm_sizes(CifarCNN())
+    assert sizes == lab.CommSizes(
+        gradient_bytes=GRADIENT_BYTES, gradient_buckets=1, buffer_bytes=BUFFER_BYTES, buffer_dtype_groups=2
+    )
+    assert GRADIENT_BYTES < 25 * 1024 * 1024
+
+
+def test_documented_experiment_counts():
+    """400 micro-batches per rank and epoch: 100 steps; 400 syncs in every, 100 in no_sync."""
+    assert lab.micro_batches_per_rank(40_000, 2, 50) == 400
+    sizes = lab.comm_sizes(CifarCNN())
+    for epoch, every_buffer_syncs, no_sync_buffer_syncs in ((1, 401, 101), (2, 400, 100), (5, 400, 100)):
+        every = lab.expected_epoch_counts(lab.DOCUMENTED, "every", epoch, sizes)
+        no_sync = lab.expected_epoch_counts(lab.DOCUMENTED, "no_sync", epoch, sizes)
+        assert every == {
+            "optimizer_steps": 100,
+            "gradient_syncs": 400,
+            "sync_bucket_calls": 400,
+            "allreduce_bytes": 400 * GRADIENT_BYTES,
+            "buffer_broadcasts": 2 * every_buffer_syncs,
+            "broadcast_bytes": every_buffer_syncs * BUFFER_BYTES,
+            "rebuild_broadcasts": 2 if epoch == 1 else 0,
+        }
+        assert no_sync == {
+            "optimizer_steps": 100,
+            "gradient_syncs": 100,
+            "sync_bucket_calls": 100,
+            "allreduce_bytes": 100 * GRADIENT_BYTES,
+            "buffer_broadcasts": 2 * no_sync_buffer_syncs,
+            "broadcast_bytes": no_sync_buffer_syncs * BUFFER_BYTES,
+            "rebuild_broadcasts": 2 if epoch == 1 else 0,
+        }
+
+
+def test_window_plan_syncs_and_steps_on_the_last_micro_batch_of_each_window():
+    plan = lab.window_plan(8, 4, "error")
+    assert [(m.sync, m.loss_divisor, m.step) for m in plan] == [(False, 4, False)] * 3 + [(True, 4, True)] + [
+        (False, 4, False)
+    ] * 3 + [(True, 4, True)]
+
+
+def test_partial_window_stops_with_the_documents_message():
+    with pytest.raises(lab.LabError) as caught:
+        lab.window_plan(401, 4, "error")
+    assert caught.value.line("train.py").startswith(
+        "RuntimeError: 401 micro-batch-uri nu se împart exact la accum_steps=4"
+    )
+    assert "--partial-window scale" in str(caught.value)
+
+
+def test_partial_window_scale_divides_the_short_window_by_its_length():
+    plan = lab.window_plan(6, 4, "scale")
+    assert [(m.sync, m.loss_divisor, m.step) for m in plan] == [
+        (False, 4, False),
+        (False, 4, False),
+        (False, 4, False),
+        (True, 4, True),
+        (False, 2, False),
+        (True, 2, True),
+    ]
+    config = {**lab.DOCUMENTED, "train_size": 1_200, "batch_size": 100, "partial_window": "scale"}
+    counts = lab.expected_epoch_counts(config, "no_sync", 1, lab.comm_sizes(CifarCNN()))
+    assert (counts["optimizer_steps"], counts["gradient_syncs"]) == (2, 2)
+
+
+def test_buffer_broadcasts_follow_synchronized_forwards():
+    """Before the first forward, then before each forward that follows a synchronized one; the
+    validation pass adds one; an epoch after an evaluation starts without one."""
+    plan = lab.window_plan(8, 4, "error")
+    assert lab.buffer_syncs_in_epoch(plan, "every", first_epoch=True) == 8 + 1
+    assert lab.buffer_syncs_in_epoch(plan, "every", first_epoch=False) == 7 + 1
+    assert lab.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=True) == 2 + 1
+    assert lab.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=False) == 1 + 1
+
+
+def test_bucket_rebuild_happens_at_the_first_training_forward_after_a_sync():
+    assert lab.bucket_rebuild_epoch(lab.window_plan(8, 4, "error"), "no_sync") == 1
+    assert lab.bucket_rebuild_epoch(lab.window_plan(2, 1, "error"), "every") == 1
+    # One window per epoch: no_sync's first sync is the epoch's last forward; the rebuild waits for epoch 2.
+    assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "no_sync") == 2
+    assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "every") == 1
+
+
+def test_top_confusions_are_off_diagonal_by_count_then_class_order():
+    matrix = [[0] * 10 for _ in range(10)]
+    matrix[0][0] = 50
+    matrix[3][5] = 7
+    matrix[5][3] = 7
+    matrix[1][9] = 9
+    assert lab.top_confusions(matrix) == [
+        {"true": "automobile", "predicted": "truck", "count": 9},
+        {"true": "cat", "predicted": "dog", "count": 7},
+        {"true": "dog", "predicted": "cat", "count": 7},
+    ]

@@ -1,0 +1,141 @@
+"""verify.py cannot be fooled: each way artifacts can be missing, damaged, mixed or inconsistent fails
+with one line naming the file (exit 1), on copies of real runs."""
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+import lab
+from conftest import assert_one_line_error, copy_runs, read_json, run_python
+from model import CLASSES
+
+
+@pytest.fixture
+def runs(lab_runs, tmp_path):
+    artifacts, _ = lab_runs
+    return copy_runs(artifacts, tmp_path / "artifacts")
+
+
+def audit(artifacts):
+    return run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+
+
+def edit_json(path, change):
+    value = read_json(path)
+    change(value)
+    path.write_text(json.dumps(value))
+
+
+def test_untouched_copies_pass(runs):
+    result = audit(runs)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("AUDIT PASSED")
+
+
+def test_a_missing_file(runs):
+    (runs / "no_sync" / "history.json").unlink()
+    assert_one_line_error(audit(runs), f"FileNotFoundError: Lipsește artefactul obligatoriu: {runs}/no_sync/history.json", code=1)
+
+
+def test_a_missing_run(runs):
+    shutil.rmtree(runs / "every")
+    line = assert_one_line_error(audit(runs), f"Lipsește artefactul obligatoriu: {runs}/every/run.json", code=1)
+    assert "run train.py --mode every" in line
+
+
+def test_an_empty_json_file(runs):
+    (runs / "every" / "report.json").write_text("")
+    assert_one_line_error(audit(runs), f"RuntimeError: Artefact absent sau gol: {runs}/every/report.json", code=1)
+
+
+def test_a_truncated_json_file(runs):
+    path = runs / "no_sync" / "history.json"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert_one_line_error(audit(runs), f"{runs}/no_sync/history.json: not valid JSON", "truncated", code=1)
+
+
+def test_wrong_types(runs):
+    edit_json(runs / "every" / "history.json", lambda rows: rows[1].update(gradient_syncs="40"))
+    assert_one_line_error(audit(runs), "epoch row 2: gradient_syncs must be a whole number, got '40'", code=1)
+
+
+def test_a_history_with_a_missing_row(runs):
+    edit_json(runs / "every" / "history.json", lambda rows: rows.pop())
+    assert_one_line_error(audit(runs), f"{runs}/every/history.json: expected 2 epochs, got 1", code=1)
+
+
+def test_counts_that_disagree_with_the_expectation(runs):
+    """What a no_sync run whose forward escaped the context would record: every micro-batch synced."""
+
+    def sync_every_micro_batch(rows):
+        for row in rows:
+            row.update(gradient_syncs=40, sync_bucket_calls=40)
+
+    edit_json(runs / "no_sync" / "history.json", sync_every_micro_batch)
+    line = assert_one_line_error(
+        audit(runs), f"RuntimeError: {runs}/no_sync/history.json: expected 10 gradient syncs, got 40", code=1
+    )
+    assert "forward ran outside no_sync()" in line
+
+
+def test_tampered_bytes_count(runs):
+    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(allreduce_bytes=rows[0]["allreduce_bytes"] // 4))
+    assert_one_line_error(audit(runs), "expected 89366080 all-reduced bytes, got 22341520 (epoch 1)", code=1)
+
+
+def test_runs_with_different_configurations(runs):
+    edit_json(runs / "no_sync" / lab.RUN_RECORD_FILE, lambda record: record["config"].update(seed=48))
+    assert_one_line_error(audit(runs), "come from different configurations (seed: 47 vs 48)", code=1)
+
+
+def test_files_of_different_runs(runs):
+    edit_json(runs / "every" / "report.json", lambda report: report.update(run_id="20260101T000000Z-000000"))
+    assert_one_line_error(audit(runs), f"{runs}/every/report.json: run id 20260101T000000Z-000000, run.json", code=1)
+
+
+def test_a_model_swapped_in_from_another_run(runs):
+    shutil.copy(runs / "every" / "model.pt", runs / "no_sync" / "model.pt")
+    assert_one_line_error(audit(runs), f"{runs}/no_sync/model.pt: run id", code=1)
+
+
+def test_a_model_that_does_not_load(runs):
+    path = runs / "every" / "model.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    assert_one_line_error(audit(runs), f"checkpoint unreadable: {runs}/every/model.pt is truncated", code=1)
+
+
+def test_a_model_of_another_architecture(runs):
+    record = read_json(runs / "every" / lab.RUN_RECORD_FILE)
+    checkpoint = {"model": nn.Linear(4, 10).state_dict(), "classes": CLASSES, "run_id": record["run_id"], "mode": "every"}
+    torch.save(checkpoint, runs / "every" / "model.pt")
+    assert_one_line_error(audit(runs), f"checkpoint does not fit CifarCNN: {runs}/every/model.pt", code=1)
+
+
+def test_a_report_that_disagrees_with_its_confusion_matrix(runs):
+    edit_json(runs / "no_sync" / "report.json", lambda report: report.update(model_test_accuracy=0.99))
+    assert_one_line_error(audit(runs), "model_test_accuracy 0.99 differs from its confusion matrix", code=1)
+
+
+def test_a_file_changed_after_the_run(runs):
+    """A valid picture with the right run id, but not the one the run wrote: only the checksum tells."""
+    path = runs / "no_sync" / "sample_test.png"
+    run_id = lab.png_text(path)["run_id"]
+    path.write_bytes(lab.png_bytes(Image.new("RGB", (32, 32), "white"), {"run_id": run_id}))
+    assert_one_line_error(audit(runs), f"{runs}/no_sync/sample_test.png: changed after the run finished", code=1)
+
+
+def test_an_interrupted_run_is_named(runs):
+    (runs / ".no_sync.partial-20260101T000000Z-abcdef").mkdir()
+    passed = audit(runs)
+    assert passed.returncode == 0
+    assert f"note: an unfinished run 20260101T000000Z-abcdef was left in {runs}/.no_sync.partial-" in passed.stdout
+    shutil.rmtree(runs / "no_sync")
+    line = assert_one_line_error(audit(runs), f"Lipsește artefactul obligatoriu: {runs}/no_sync/run.json", code=1)
+    assert "an unfinished run 20260101T000000Z-abcdef" in line
+
+
+def test_usage_errors_exit_2(runs):
+    assert_one_line_error(run_python("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")

@@ -1,0 +1,87 @@
+"""Started by tests/test_comm_audit.py under torchrun (2 ranks, gloo, CPU).
+
+Runs two epochs of the lab's loop and evaluation per mode under the PyTorch profiler and prints (rank 0) one
+JSON object: per mode and epoch, the audit's counts (the hook's and AuditedDDP's) next to the collectives the
+profiler saw (c10d::allreduce_, c10d::broadcast_), which are the ground truth the audit must match; and the
+hook calls per synchronized backward with DDP's default bucket size and with the lab's explicit 25 MB.
+"""
+import json
+import sys
+from collections import Counter
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import lab  # noqa: E402
+import train  # noqa: E402
+from model import CifarCNN  # noqa: E402
+
+BATCH, ACCUM, MICRO_BATCHES, EPOCHS = 4, 4, 8, 2
+CPU = torch.device("cpu")
+
+
+def hook_calls_per_sync(bucket_cap_mb, loader):
+    """Hook calls in each of three synchronized backwards, the first before DDP rebuilds its buckets."""
+    options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp_model = DDP(CifarCNN(), **options)
+    audit = train.CommAudit(world_size=dist.get_world_size())
+    ddp_model.register_comm_hook(audit, train.counting_allreduce_hook)
+    calls = []
+    for (inputs, targets), _ in zip(loader, range(3)):
+        before = audit.sync_bucket_calls
+        nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
+        calls.append(audit.sync_bucket_calls - before)
+    return calls
+
+
+def main():
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    torch.manual_seed(0)
+    count = BATCH * MICRO_BATCHES * world_size
+    data = TensorDataset(torch.randn(count, 3, 32, 32), torch.randint(0, 10, (count,)))
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    evaluation = DataLoader(data, batch_size=BATCH)
+    plan = lab.window_plan(MICRO_BATCHES, ACCUM, "error")
+    progress = train.Progress(enabled=False, interval=0)
+    criterion = nn.CrossEntropyLoss()
+    rows = []
+    for mode in ("every", "no_sync"):
+        ddp_model, audit = train.wrap_model(CifarCNN(), CPU, world_size)
+        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
+        for epoch in range(1, EPOCHS + 1):
+            sampler.set_epoch(epoch)
+            before = audit.totals()
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress)
+                train.evaluate(ddp_model, evaluation, criterion, CPU, nullcontext, progress, "validation")
+            after = audit.totals()
+            events = Counter(event.name for event in profiler.events())
+            rows.append(
+                {
+                    "mode": mode,
+                    "epoch": epoch,
+                    "audit": {key: after[key] - before[key] for key in train.CommAudit.COUNTS},
+                    "profiler_allreduces": events["c10d::allreduce_"],
+                    "profiler_broadcasts": events["c10d::broadcast_"],
+                    "train_size": count,
+                    "world_size": world_size,
+                }
+            )
+    hook_calls = {"default": hook_calls_per_sync(None, loader), "25": hook_calls_per_sync(lab.BUCKET_CAP_MB, loader)}
+    if dist.get_rank() == 0:
+        print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Started by tests/test_equivalence.py under torchrun (2 ranks, gloo, CPU, no autocast).
+
+Trains a few optimizer steps with the lab's own loop (train.train_epoch, train.wrap_model: DDP with the
+counting hook) in `every` and `no_sync` mode, and in one process that runs both ranks' micro-batches in order
+and accumulates their gradients by hand, its windows and divisors written out here independently of
+lab.window_plan. It records the synchronized gradients before each optimizer step and the parameters after
+it, and prints (rank 0) one JSON object: per precision, case and variant, the relative differences from the
+hand-made reference after each step. In float32 it also compares each mode with a reference that sums in
+that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
+divided, a step inside the window, a short window divided by accum_steps), which must differ.
+"""
+import json
+import sys
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import lab  # noqa: E402
+import train  # noqa: E402
+from model import CifarCNN  # noqa: E402
+
+BATCH, ACCUM, SEED = 8, 4, 47
+CPU = torch.device("cpu")
+
+
+def dataset(micro_batches, world_size, dtype):
+    generator = torch.Generator().manual_seed(0)
+    count = micro_batches * BATCH * world_size
+    inputs = torch.randn(count, 3, 32, 32, generator=generator, dtype=dtype)
+    return TensorDataset(inputs, torch.randint(0, 10, (count,), generator=generator))
+
+
+def sampler(data, rank, world_size):
+    return DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=False)
+
+
+def new_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+
+
+def flat(tensors):
+    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
+
+
+def recorder(model, optimizer):
+    """Gradients just before each optimizer step (after DDP's synchronization), parameters just after."""
+    record = {"grads": [], "params": []}
+    optimizer.register_step_pre_hook(lambda *_: record["grads"].append(flat(p.grad for p in model.parameters())))
+    optimizer.register_step_post_hook(lambda *_: record["params"].append(flat(model.parameters())))
+    return record
+
+
+def new_model(initial_state, dtype):
+    model = CifarCNN().to(dtype)
+    model.load_state_dict(initial_state)
+    return model
+
+
+def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype):
+    model = new_model(initial_state, dtype)
+    ddp_model, audit = train.wrap_model(model, CPU, world_size)
+    optimizer = new_optimizer(ddp_model)
+    record = recorder(ddp_model, optimizer)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
+    progress = train.Progress(enabled=False, interval=0)
+    train.train_epoch(ddp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, nullcontext, progress)
+    record["gradient_syncs"] = audit.gradient_syncs
+    # Every rank's parameters after each step, to check that the replicas agree.
+    gathered = [torch.empty_like(record["params"][-1]) for _ in range(world_size)]
+    dist.all_gather(gathered, record["params"][-1])
+    record["ranks_agree"] = all(torch.equal(gathered[0], other) for other in gathered[1:])
+    return record
+
+
+def reference_run(initial_state, data, world_size, dtype, summation):
+    """One process, by hand: each window's micro-batches of every rank, the mean over the window and over the
+    ranks as the gradient, one optimizer step per window (the last window may be short).
+
+    summation sets only the order of the floating-point sums:
+      "one_sum": every micro-batch's loss / (window length x world size) backpropagated into one .grad;
+      "every":   each rank adds its micro-batch's gradient to the window's running sum, then the ranks'
+                 sums are averaged, after every micro-batch (what DDP does when every backward syncs);
+      "no_sync": each rank sums its own window, then the ranks' sums are averaged once (no_sync's order).
+    """
+    model = new_model(initial_state, dtype)
+    model.train()
+    parameters = list(model.parameters())
+    optimizer = new_optimizer(model)
+    record = recorder(model, optimizer)
+    criterion = nn.CrossEntropyLoss()
+    rank_batches = []
+    for rank in range(world_size):
+        indices = list(sampler(data, rank, world_size))
+        rank_batches.append([indices[start : start + BATCH] for start in range(0, len(indices), BATCH)])
+    micro_batches = len(rank_batches[0])
+
+    def gradient(rank, micro_batch, divisor):
+        inputs, targets = data[rank_batches[rank][micro_batch]]
+        return torch.autograd.grad(criterion(model(inputs), targets) / divisor, parameters)
+
+    def average(rank_sums):  # the counting hook: each rank's buffer divided by world size, then summed
+        return [sum(rank_sums[rank][i] / world_size for rank in range(world_size)) for i in range(len(parameters))]
+
+    for window_start in range(0, micro_batches, ACCUM):
+        window = range(window_start, min(window_start + ACCUM, micro_batches))
+        if summation == "one_sum":
+            for micro_batch in window:
+                for rank in range(world_size):
+                    for parameter, part in zip(parameters, gradient(rank, micro_batch, len(window) * world_size)):
+                        parameter.grad = part if parameter.grad is None else parameter.grad + part
+        elif summation == "every":
+            synchronized = None
+            for micro_batch in window:
+                rank_sums = [gradient(rank, micro_batch, len(window)) for rank in range(world_size)]
+                if synchronized is not None:
+                    rank_sums = [[a + b for a, b in zip(synchronized, parts)] for parts in rank_sums]
+                synchronized = average(rank_sums)
+            for parameter, value in zip(parameters, synchronized):
+                parameter.grad = value
+        else:
+            rank_sums = []
+            for rank in range(world_size):
+                parts = [gradient(rank, micro_batch, len(window)) for micro_batch in window]
+                rank_sums.append([sum(column[1:], column[0]) for column in zip(*parts)])
+            for parameter, value in zip(parameters, average(rank_sums)):
+                parameter.grad = value
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    record["ranks_agree"], record["gradient_syncs"] = True, None
+    return record
+
+
+def relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def compare(record, reference):
+    """Per step: |difference| / |reference| (L2 norms) of the synchronized gradients and of the parameters."""
+    steps = range(min(len(record["params"]), len(reference["params"])))
+    return {
+        "steps": len(record["params"]),
+        "reference_steps": len(reference["params"]),
+        "grad_relative": [relative(record["grads"][i], reference["grads"][i]) for i in steps],
+        "param_relative": [relative(record["params"][i], reference["params"][i]) for i in steps],
+        "ranks_agree": record["ranks_agree"],
+        "gradient_syncs": record["gradient_syncs"],
+    }
+
+
+def hook_keeps_ddp_averaging(initial_state, data, rank, world_size, dtype):
+    """One backward through plain DDP (its built-in averaging all-reduce) and through the lab's DDP with the
+    counting hook: the synchronized gradients must be identical."""
+    inputs, targets = data[list(sampler(data, rank, world_size))[:BATCH]]
+    gradients = []
+    for wrap in (lambda m: DDP(m, bucket_cap_mb=lab.BUCKET_CAP_MB), lambda m: train.wrap_model(m, CPU, world_size)[0]):
+        ddp_model = wrap(new_model(initial_state, dtype))
+        nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
+        gradients.append(flat(p.grad for p in ddp_model.parameters()))
+    return (gradients[0] - gradients[1]).abs().max().item()
+
+
+def variants(plan, partial_window):
+    """The real plan in both modes; in float64 also the broken plans the comparison must catch."""
+    chosen = {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
+    if partial_window == "error":
+        chosen["broken_no_sync_on_wrong_micro_batch"] = ([replace(m, sync=not m.sync) for m in plan], "no_sync")
+        chosen["broken_loss_not_divided"] = ([replace(m, loss_divisor=1) for m in plan], "no_sync")
+        chosen["broken_step_inside_window"] = ([replace(m, step=True) for m in plan], "no_sync")
+    else:
+        chosen["broken_short_window_divided_by_accum_steps"] = ([replace(m, loss_divisor=ACCUM) for m in plan], "no_sync")
+    return chosen
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(SEED)
+    initial_state = CifarCNN().state_dict()  # the same on every rank (same seed)
+
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        hook_data = dataset(1, world_size, dtype)
+        results[name] = {"hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)}
+        for case, micro_batches, partial_window in (("full_windows", 12, "error"), ("partial_window", 14, "scale")):
+            data = dataset(micro_batches, world_size, dtype)
+            plan = lab.window_plan(micro_batches, ACCUM, partial_window)
+            reference = reference_run(initial_state, data, world_size, dtype, "one_sum")
+            chosen = variants(plan, partial_window) if dtype == torch.float64 else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
+            results[name][case] = {}
+            for variant, (variant_plan, mode) in chosen.items():
+                record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype)
+                results[name][case][variant] = compare(record, reference)
+                if variant in lab.MODES and dtype == torch.float32:  # the same mean, summed in the mode's order
+                    same_order = reference_run(initial_state, data, world_size, dtype, summation=mode)
+                    results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
+    if rank == 0:
+        print(json.dumps(results), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

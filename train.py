@@ -1,0 +1,684 @@
+"""Gradient accumulation under DDP, two ways, with every synchronization counted.
+
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 train.py --mode every   --output artifacts/every
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 train.py --mode no_sync --output artifacts/no_sync
+    python verify.py
+
+`every` all-reduces the gradients after every micro-batch and steps once per window of --accum-steps;
+`no_sync` runs the forward AND backward of the first accum_steps - 1 micro-batches of each window inside
+ddp_model.no_sync(), so DDP all-reduces once per window. A communication hook counts the syncs, their bytes
+and time; an AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
+
+Measured (2 CPU ranks, gloo, BF16 autocast, real CIFAR-10 as JPEG, documented settings, 5 epochs):
+    see README.md, "Measured results".
+
+Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
+"""
+import os
+
+# cuBLAS refuses deterministic mode without a fixed workspace; it must be set before CUDA initializes.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import hashlib
+import json
+import random
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
+
+import lab
+import plots
+from model import CLASSES, IMAGE_SIZE, CifarCNN, eval_transform, normalize
+
+SCRIPT = "train.py"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+# Bounds a wait on a stuck (alive but silent) peer, rank 0's CIFAR-10 download (163 MB) included; a peer
+# that dies is noticed at once by torchrun, which then stops the others.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+CIFAR10_ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+train_transform = transforms.Compose(
+    [
+        transforms.RandomCrop(IMAGE_SIZE, padding=4),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        normalize,
+    ]
+)
+
+
+def parse_args(argv=None):
+    documented = lab.DOCUMENTED
+    parser = lab.ArgumentParser(prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode.")
+    parser.add_argument("--mode", choices=lab.MODES, required=True)
+    parser.add_argument("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
+    parser.add_argument("--epochs", type=lab.positive_int, default=documented["epochs"])
+    parser.add_argument("--batch-size", type=lab.positive_int, default=documented["batch_size"], help="per rank")
+    parser.add_argument("--accum-steps", type=lab.positive_int, default=documented["accum_steps"])
+    parser.add_argument("--seed", type=int, default=documented["seed"])
+    parser.add_argument("--expected-world-size", type=lab.positive_int, default=documented["world_size"])
+    parser.add_argument(
+        "--partial-window",
+        choices=lab.PARTIAL_WINDOW_POLICIES,
+        default=documented["partial_window"],
+        help="a last window shorter than --accum-steps: stop (error) or divide its losses by its length (scale)",
+    )
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("data"),
+        help="train/<class>/ and test/<class>/ image folders, or torchvision's CIFAR-10 (downloaded if absent)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--progress-every", type=lab.non_negative_float, default=5.0, metavar="SECONDS", help="at most one line per"
+    )
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- processes and devices
+
+
+def launch_environment(expected_world_size):
+    """(rank, local_rank, world_size, local_world_size) as torchrun sets them; plain python is world size 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size != expected_world_size or "RANK" not in os.environ:
+        raise lab.LabError(
+            f"expected world_size={expected_world_size}, got {world_size} (start it with torchrun: "
+            f"torchrun --standalone --nnodes=1 --nproc-per-node={expected_world_size} train.py --mode ... "
+            f"--output ...)",
+            kind="ValueError",
+        )
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["LOCAL_RANK"]),
+        world_size,
+        int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )
+
+
+def choose_device(requested, local_rank, local_world_size, rank):
+    """One process per GPU with NCCL, or CPU with gloo; never NCCL quietly swapped for gloo on a GPU machine."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        if requested == "cpu" and rank == 0:
+            print(f"{SCRIPT}: CUDA is not available; running on CPU with the gloo backend", file=sys.stderr)
+    if requested == "cpu":
+        return torch.device("cpu"), "gloo"
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < local_world_size:
+        raise lab.LabError(
+            f"--device cuda needs one GPU per process: {local_world_size} processes on this node, {visible} GPU(s) "
+            f"visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU with --device cpu)"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def check_output(output):
+    """Fail before any training if the run folder cannot be written or would overwrite something not ours."""
+    if output.exists() and not output.is_dir():
+        raise lab.LabError(f"--output {output} is a file; pass a folder path, e.g. --output artifacts/every")
+    if not lab.is_replaceable_output(output):
+        raise lab.LabError(
+            f"--output {output} holds files that are not lab artifacts; pass a new or empty folder "
+            f"(train.py replaces the whole folder it writes)"
+        )
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output.parent, prefix=f".{output.name}.probe-"):
+            pass
+    except OSError as error:
+        raise lab.LabError(
+            f"--output {output} is not writable ({error.strerror}: {error.filename}); pass a folder you can write to"
+        ) from None
+
+
+@contextmanager
+def c_stdout_to_stderr():
+    """gloo prints its connection lines on the C++ stdout; send them to stderr, stdout is for the JSON lines."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataSource:
+    """CIFAR-10 in memory as torchvision keeps it: uint8 N x 32 x 32 x 3 images and integer labels."""
+
+    layout: str
+    train_images: np.ndarray  # the train source: training and validation images
+    train_labels: list
+    test_images: np.ndarray
+    test_labels: list
+
+    def fingerprint(self):
+        digest = hashlib.sha256()
+        for array in (self.train_images, np.asarray(self.train_labels), self.test_images, np.asarray(self.test_labels)):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()[:16]
+
+
+def decode_cifar_image(path):
+    try:
+        with Image.open(path) as image:
+            rgb = image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise lab.LabError(f"{path}: not a readable image ({error}); remove or replace it") from None
+    if rgb.size != (IMAGE_SIZE, IMAGE_SIZE):
+        raise lab.LabError(
+            f"{path}: {rgb.size[0]}x{rgb.size[1]} pixels, CIFAR-10 images are {IMAGE_SIZE}x{IMAGE_SIZE}; "
+            f"resize or remove it"
+        )
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def read_image_split(split_dir):
+    """train/ or test/ of an image-folder tree: one folder per class, PNG or JPEG files."""
+    if not split_dir.is_dir():
+        raise lab.LabError(
+            f"{split_dir} is missing: an image-folder dataset needs {split_dir.parent}/train/<class>/ and "
+            f"{split_dir.parent}/test/<class>/ with the ten classes ({', '.join(CLASSES)})"
+        )
+    present = {entry.name for entry in split_dir.iterdir() if entry.is_dir()}
+    missing = [name for name in CLASSES if name not in present]
+    if missing:
+        raise lab.LabError(
+            f"{split_dir} lacks class folders: {', '.join(missing)} (it needs one folder per CIFAR-10 class: "
+            f"{', '.join(CLASSES)})"
+        )
+    unknown = sorted(present - set(CLASSES))
+    if unknown:
+        raise lab.LabError(
+            f"{split_dir} has folders that are not CIFAR-10 classes: {', '.join(unknown)}; move them out "
+            f"(the classes are {', '.join(CLASSES)})"
+        )
+    images, labels = [], []
+    for label, name in enumerate(CLASSES):
+        files = sorted(p for p in (split_dir / name).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise lab.LabError(f"{split_dir / name} holds no PNG or JPEG images; every class needs some")
+        images.extend(decode_cifar_image(path) for path in files)
+        labels.extend([label] * len(files))
+    return np.stack(images), labels
+
+
+def read_torchvision_cifar(data_dir, rank):
+    """torchvision's CIFAR-10: rank 0 downloads it if absent (checking the archive's md5), the others wait."""
+    failure = None
+    if rank == 0:
+        try:
+            for train in (True, False):
+                datasets.CIFAR10(data_dir, train=train, download=True)
+        except Exception as error:  # network, checksum or archive: every way ends in the same advice
+            reason = " ".join(f"{type(error).__name__}: {error}".split())
+            failure = (
+                f"CIFAR-10 could not be downloaded into {data_dir}/ ({reason}). Provide it without network: put the "
+                f"official archive {CIFAR10_ARCHIVE_URL} into {data_dir}/, or an image-folder tree "
+                f"{data_dir}/train/<class>/*.png and {data_dir}/test/<class>/*.png, then run again"
+            )
+    shared = [failure]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise lab.LabError(shared[0])
+    train = datasets.CIFAR10(data_dir, train=True, download=False)
+    test = datasets.CIFAR10(data_dir, train=False, download=False)
+    return DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))
+
+
+def load_data(data_dir, rank):
+    if data_dir.exists() and not data_dir.is_dir():
+        raise lab.LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
+    if (data_dir / "train").exists() or (data_dir / "test").exists():
+        train_images, train_labels = read_image_split(data_dir / "train")
+        test_images, test_labels = read_image_split(data_dir / "test")
+        return DataSource("image-folders", train_images, train_labels, test_images, test_labels)
+    return read_torchvision_cifar(data_dir, rank)
+
+
+class ImageArrayDataset(Dataset):
+    """Images held in memory, served as PIL images through a transform, as torchvision's CIFAR10 does."""
+
+    def __init__(self, images, labels, transform):
+        self.images = images
+        self.labels = labels
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.transform(Image.fromarray(self.images[index])), self.labels[index]
+
+
+def split_indices(source_size, seed):
+    """The seeded permutation of the train source: its first four fifths train, the last fifth validation."""
+    permutation = torch.randperm(source_size, generator=torch.Generator().manual_seed(seed)).tolist()
+    train_size, _ = lab.split_sizes(source_size)
+    return permutation[:train_size], permutation[train_size:]
+
+
+def majority_class(labels):
+    """The most frequent class (the lowest index among ties)."""
+    counts = np.bincount(np.asarray(labels), minlength=len(CLASSES))
+    return int(np.argmax(counts))
+
+
+def build_loaders(source, batch_size, seed, rank, world_size, pin_memory):
+    train_indices, validation_indices = split_indices(len(source.train_labels), seed)
+    sizes = {"train": len(train_indices), "validation": len(validation_indices), "test": len(source.test_labels)}
+    if min(sizes.values()) < world_size:
+        raise lab.LabError(
+            f"too few images for {world_size} ranks: {sizes} (the train source is split 4:1 into train and "
+            f"validation); provide at least {lab.VALIDATION_FRACTION * world_size} train and {world_size} test images"
+        )
+    train_set = Subset(ImageArrayDataset(source.train_images, source.train_labels, train_transform), train_indices)
+    validation_set = Subset(ImageArrayDataset(source.train_images, source.train_labels, eval_transform), validation_indices)
+    test_set = ImageArrayDataset(source.test_images, source.test_labels, eval_transform)
+
+    # Training pads to equal shards (both ranks must run the same number of collectives); evaluation takes
+    # every world_size-th image, so each image is counted exactly once.
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
+    )
+    common = {"batch_size": batch_size, "num_workers": 0, "pin_memory": pin_memory}
+    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=False, **common)
+    validation_loader = DataLoader(Subset(validation_set, range(rank, len(validation_set), world_size)), **common)
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), **common)
+    train_labels = [source.train_labels[index] for index in train_indices]
+    return train_loader, validation_loader, test_loader, train_sampler, majority_class(train_labels), sizes
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+@dataclass
+class CommAudit:
+    """Per-rank running totals of what crosses between the ranks during training and evaluation."""
+
+    world_size: int
+    group: object = None
+    sync_bucket_calls: int = 0
+    gradient_syncs: int = 0
+    allreduce_bytes: int = 0
+    buffer_broadcasts: int = 0
+    broadcast_bytes: int = 0
+    rebuild_broadcasts: int = 0
+    allreduce_seconds: float = 0.0  # added by the all-reduce futures' callbacks (gloo's thread)
+    broadcast_seconds: float = 0.0
+
+    COUNTS = (
+        "sync_bucket_calls",
+        "gradient_syncs",
+        "allreduce_bytes",
+        "buffer_broadcasts",
+        "broadcast_bytes",
+        "rebuild_broadcasts",
+    )
+
+    def totals(self):
+        totals = {name: getattr(self, name) for name in self.COUNTS}
+        totals["comm_seconds"] = self.allreduce_seconds + self.broadcast_seconds
+        return totals
+
+
+def counting_allreduce_hook(audit, bucket):
+    """DDP's averaging all-reduce (divide by world size, then sum), counted and timed. An audit instrument.
+
+    DDP calls the hook once per gradient bucket; bucket.is_last() marks the end of one synchronized backward.
+    """
+    audit.sync_bucket_calls += 1
+    audit.gradient_syncs += bucket.is_last()
+    tensor = bucket.buffer()
+    audit.allreduce_bytes += tensor.numel() * tensor.element_size()
+    tensor.div_(audit.world_size)
+    started = time.perf_counter()
+
+    def finished(future):
+        audit.allreduce_seconds += time.perf_counter() - started
+        return future.value()[0]
+
+    return dist.all_reduce(tensor, group=audit.group, async_op=True).get_future().then(finished)
+
+
+class AuditedDDP(DDP):
+    """DDP that also counts DDP's own collectives, which no comm hook sees: the BatchNorm buffer broadcasts
+    (broadcast_buffers=True), counted and timed, and the one-time broadcast of its rebuilt bucket order."""
+
+    def _pre_forward(self, *inputs, **kwargs):
+        rebuilt_before = self._has_rebuilt_buckets
+        result = super()._pre_forward(*inputs, **kwargs)
+        if self._has_rebuilt_buckets and not rebuilt_before:
+            self.comm_audit.rebuild_broadcasts += lab.REBUILD_BROADCASTS
+        return result
+
+    def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):
+        started = time.perf_counter()
+        super()._distributed_broadcast_coalesced(tensors, buffer_size, authoritative_rank)
+        audit = self.comm_audit
+        audit.broadcast_seconds += time.perf_counter() - started
+        # One collective per dtype: _broadcast_coalesced flattens same-dtype tensors into one bucket
+        # (tests/test_comm_audit.py checks this against the profiler's c10d::broadcast_ events).
+        audit.buffer_broadcasts += len({tensor.dtype for tensor in tensors})
+        audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def wrap_model(model, device, world_size):
+    ddp_model = AuditedDDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=lab.BUCKET_CAP_MB,
+        broadcast_buffers=True,
+    )
+    audit = CommAudit(world_size=world_size, group=dist.group.WORLD)
+    ddp_model.comm_audit = audit
+    ddp_model.register_comm_hook(audit, counting_allreduce_hook)
+    return ddp_model, audit
+
+
+# ----------------------------------------------------------------------------- training and evaluation
+
+
+class Progress:
+    """Rank 0's progress on stderr, one line at most every `interval` seconds; stdout keeps the JSON lines."""
+
+    def __init__(self, enabled, interval):
+        self.enabled = enabled
+        self.interval = interval
+        self.prefix = ""
+
+    def start(self, label, total, unit):
+        self.label, self.total, self.unit = f"{self.prefix}{label}", total, unit
+        self.started = self.last_line = time.perf_counter()
+
+    def update(self, done, images):
+        now = time.perf_counter()
+        if not self.enabled or now - self.last_line < self.interval:
+            return
+        self.last_line = now
+        elapsed = now - self.started
+        left = elapsed / done * (self.total - done)
+        print(
+            f"{self.label}: {done}/{self.total} {self.unit}, {images / elapsed:.0f} img/s per rank, "
+            f"about {left:.0f} s left",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress):
+    """One epoch by the window plan.
+
+    Returns this rank's (loss sum, correct, count) as a float64 tensor, and the optimizer steps it took.
+    """
+    ddp_model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    optimizer_steps = images = 0
+    progress.start("train", len(plan), "micro-batches")
+    for done, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True), start=1):
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
+        suppress_sync = mode == "no_sync" and not micro_step.sync
+        with ddp_model.no_sync() if suppress_sync else nullcontext():
+            with autocast():
+                logits = ddp_model(inputs)
+                raw_loss = criterion(logits, targets)
+            (raw_loss / micro_step.loss_divisor).backward()
+        if micro_step.step:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer_steps += 1
+        totals += torch.stack(
+            [
+                raw_loss.detach().double() * targets.size(0),
+                logits.detach().argmax(dim=1).eq(targets).sum().double(),
+                torch.tensor(targets.size(0), dtype=torch.float64, device=device),
+            ]
+        )
+        images += targets.size(0)
+        progress.update(done, images)
+    return totals, optimizer_steps
+
+
+@torch.no_grad()
+def evaluate(ddp_model, loader, criterion, device, autocast, progress, label):
+    """Loss, accuracy and confusion matrix (rows true, columns predicted), summed over ranks.
+
+    Through the DDP wrapper, as in training: its first forward broadcasts rank 0's BatchNorm buffers, so
+    every rank evaluates the same model, the one saved in model.pt.
+    """
+    ddp_model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    confusion = torch.zeros(len(CLASSES), len(CLASSES), dtype=torch.int64, device=device)
+    progress.start(label, len(loader), "batches")
+    images = 0
+    for done, (inputs, targets) in enumerate(loader, start=1):
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with autocast():
+            logits = ddp_model(inputs)
+            loss = criterion(logits, targets)
+        predictions = logits.argmax(dim=1)
+        totals[0] += loss.double() * targets.size(0)
+        totals[1] += targets.size(0)
+        confusion += torch.bincount(targets * len(CLASSES) + predictions, minlength=len(CLASSES) ** 2).reshape(
+            len(CLASSES), len(CLASSES)
+        )
+        images += targets.size(0)
+        progress.update(done, images)
+    dist.all_reduce(totals)
+    dist.all_reduce(confusion)
+    count = totals[1].item()
+    return totals[0].item() / count, confusion.diagonal().sum().item() / count, confusion.cpu()
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def run_config(args, world_size, sizes, source, device, backend):
+    """Everything that must match between the two runs for their comparison to mean anything."""
+    return {
+        "world_size": world_size,
+        "batch_size": args.batch_size,
+        "accum_steps": args.accum_steps,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "partial_window": args.partial_window,
+        "train_size": sizes["train"],
+        "validation_size": sizes["validation"],
+        "test_size": sizes["test"],
+        "data_layout": source.layout,
+        "data_fingerprint": source.fingerprint(),
+        "device": device.type,
+        "backend": backend,
+        "autocast": "bfloat16",
+        "bucket_cap_mb": lab.BUCKET_CAP_MB,
+        "broadcast_buffers": True,
+        "torch": torch.__version__,
+    }
+
+
+def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, epoch_seconds, run_id, device):
+    """The epoch's JSON line: the document's fields first, then the rest of the audit.
+
+    Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
+    rank's (every rank takes part in every collective, so they are the same on all).
+    """
+    comm_seconds = after["comm_seconds"] - before["comm_seconds"]
+    seconds = torch.tensor([epoch_seconds, comm_seconds], dtype=torch.float64, device=device)
+    summed = torch.cat([train_totals, seconds])
+    dist.all_reduce(summed)
+    loss_sum, correct, count, epoch_seconds_sum, comm_seconds_sum = summed.tolist()
+    world_size = dist.get_world_size()
+    validation_loss, validation_accuracy = validation
+    return {
+        "epoch": epoch,
+        "mode": mode,
+        "optimizer_steps": optimizer_steps,
+        "gradient_syncs": after["gradient_syncs"] - before["gradient_syncs"],
+        "train_loss": loss_sum / count,
+        "train_accuracy": correct / count,
+        "validation_loss": validation_loss,
+        "validation_accuracy": validation_accuracy,
+        **{key: after[key] - before[key] for key in CommAudit.COUNTS if key != "gradient_syncs"},
+        "comm_seconds": comm_seconds_sum / world_size,
+        "epoch_seconds": epoch_seconds_sum / world_size,
+        "train_images_per_second": count / (epoch_seconds_sum / world_size),
+        "run_id": run_id,
+    }
+
+
+def write_results(folder, args, config, confusion, majority, model, test_image, test_loss, run_id, started_at):
+    """Rank 0: report, checkpoint, pictures, then publish the run folder. Returns the report."""
+    matrix = confusion.tolist()
+    test_size = config["test_size"]
+    report = {
+        "mode": args.mode,
+        "baseline_class": CLASSES[majority],
+        "baseline_accuracy": sum(matrix[majority]) / test_size,
+        "model_test_loss": test_loss,
+        "model_test_accuracy": sum(matrix[i][i] for i in range(len(CLASSES))) / test_size,
+        "confusion_matrix": matrix,
+        "top_confusions": lab.top_confusions(matrix),
+        "run_id": run_id,
+        "config": config,
+    }
+    checkpoint = {"model": model.state_dict(), "classes": CLASSES, "seed": args.seed, "run_id": run_id, "mode": args.mode}
+    folder.write(lab.MODEL_FILE, lab.torch_bytes(checkpoint))
+    folder.write(lab.REPORT_FILE, lab.json_bytes(report))
+    folder.write(lab.SAMPLE_FILE, lab.png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
+    image, data = plots.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
+    folder.write(lab.CONFUSION_FILE, lab.png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
+    folder.publish(
+        {
+            "run_id": run_id,
+            "mode": args.mode,
+            "config": config,
+            "data_dir": str(args.data_dir),
+            "started_at": started_at,
+            "finished_at": lab.utc_now(),
+        }
+    )
+    return report
+
+
+def run(args, rank, world_size, device, backend):
+    seed_everything(args.seed + rank)
+    source = load_data(args.data_dir, rank)
+    train_loader, validation_loader, test_loader, train_sampler, majority, sizes = build_loaders(
+        source, args.batch_size, args.seed, rank, world_size, pin_memory=device.type == "cuda"
+    )
+    plan = lab.window_plan(len(train_loader), args.accum_steps, args.partial_window)
+    config = run_config(args, world_size, sizes, source, device, backend)
+
+    ddp_model, audit = wrap_model(CifarCNN().to(device), device, world_size)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+
+    is_writer = rank == 0
+    progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
+    run_id, started_at = lab.new_run_id(), lab.utc_now()
+    folder = lab.RunFolder(args.output, run_id)
+    if is_writer:
+        folder.begin()
+
+    history = []
+    for epoch in range(1, args.epochs + 1):
+        train_sampler.set_epoch(epoch - 1)
+        progress.prefix = f"epoch {epoch}/{args.epochs} "
+        before = audit.totals()
+        epoch_started = time.perf_counter()
+        train_totals, optimizer_steps = train_epoch(
+            ddp_model, train_loader, plan, args.mode, optimizer, criterion, device, autocast, progress
+        )
+        epoch_seconds = time.perf_counter() - epoch_started
+        validation_loss, validation_accuracy, _ = evaluate(
+            ddp_model, validation_loader, criterion, device, autocast, progress, "validation"
+        )
+        scheduler.step()
+        row = epoch_row(
+            epoch,
+            args.mode,
+            optimizer_steps,
+            train_totals,
+            (validation_loss, validation_accuracy),
+            before,
+            audit.totals(),
+            epoch_seconds,
+            run_id,
+            device,
+        )
+        history.append(row)
+        if is_writer:
+            print(json.dumps(row), flush=True)
+            folder.write(lab.HISTORY_FILE, lab.json_bytes(history))  # a killed run leaves its history so far
+
+    progress.prefix = ""
+    test_loss, _, confusion = evaluate(ddp_model, test_loader, criterion, device, autocast, progress, "test")
+    if is_writer:
+        report = write_results(
+            folder, args, config, confusion, majority, ddp_model.module, source.test_images[0], test_loss, run_id, started_at
+        )
+        print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
+    dist.barrier()
+
+
+@record
+def main():
+    args = parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        rank, local_rank, world_size, local_world_size = launch_environment(args.expected_world_size)
+        device, backend = choose_device(args.device, local_rank, local_world_size, rank)
+        check_output(args.output)
+        with c_stdout_to_stderr():
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            run(args, rank, world_size, device, backend)
+        finally:
+            dist.destroy_process_group()
+    except lab.LabError as error:
+        # Every rank meets the same input error; one line from rank 0 is enough.
+        lab.exit_with(error, SCRIPT, show=rank == 0)
+
+
+if __name__ == "__main__":
+    main()

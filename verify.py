@@ -1,0 +1,380 @@
+"""Audit the artifacts of both runs; print the table and `AUDIT PASSED` only when every check held.
+
+    python verify.py                                                   # the documented experiment
+    python verify.py --artifacts artifacts/quick --expect-from-config  # a run judged by its own configuration
+
+Without --expect-from-config the audit is the document's: 5 epochs, 100 optimizer steps and 400 (every) or
+100 (no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration
+the runs recorded. Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
+model's parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every
+file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
+own confusion matrices. A failure is one line naming the file and what is wrong (exit 1). On success it also
+draws curves.png and communication.png next to the run folders.
+"""
+import json
+import math
+from pathlib import Path
+
+from PIL import Image
+
+import lab
+import plots
+from model import CLASSES, CheckpointError, CifarCNN, IMAGE_SIZE, load_checkpoint
+
+SCRIPT = "verify.py"
+COUNT_LABELS = {
+    "optimizer_steps": "optimizer steps",
+    "gradient_syncs": "gradient syncs",
+    "sync_bucket_calls": "hook calls",
+    "allreduce_bytes": "all-reduced bytes",
+    "buffer_broadcasts": "buffer broadcasts",
+    "broadcast_bytes": "broadcast bytes",
+    "rebuild_broadcasts": "bucket-rebuild broadcasts",
+}
+ROW_INTEGERS = ("epoch", *COUNT_LABELS)
+ROW_NUMBERS = (
+    "train_loss",
+    "train_accuracy",
+    "validation_loss",
+    "validation_accuracy",
+    "comm_seconds",
+    "epoch_seconds",
+    "train_images_per_second",
+)
+
+
+class AuditError(lab.LabError):
+    """An artifact that does not hold what it must (exit 1; a usage mistake exits 2)."""
+
+    exit_code = 1
+
+    def __init__(self, message, kind="RuntimeError"):
+        super().__init__(message, kind)
+
+
+def parse_args():
+    parser = lab.ArgumentParser(prog=SCRIPT, description="Audit the artifacts of the every and no_sync runs.")
+    parser.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="folder holding every/ and no_sync/")
+    parser.add_argument(
+        "--expect-from-config",
+        action="store_true",
+        help="expect the counts the runs' own recorded configuration implies, not the documented 5/100/400/100",
+    )
+    return parser.parse_args()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def require_file(path):
+    if not path.is_file():
+        raise AuditError(f"Lipsește artefactul obligatoriu: {path}", kind="FileNotFoundError")
+    if path.stat().st_size == 0:
+        raise AuditError(f"Artefact absent sau gol: {path} (it is empty; rerun train.py)")
+
+
+def read_json(path):
+    require_file(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise AuditError(f"{path}: not valid JSON ({error}); the file is damaged or truncated: rerun train.py") from None
+
+
+def is_int(value):
+    return type(value) is int
+
+
+def is_number(value):
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check(condition, path, message):
+    if not condition:
+        raise AuditError(f"{path}: {message}")
+
+
+def describe_unfinished(folder):
+    """Say what an interrupted run left beside `folder`, if anything."""
+    notes = []
+    for partial in lab.unfinished_runs(folder):
+        run_id = partial.name.rsplit(".partial-", 1)[-1]
+        notes.append(f"an unfinished run {run_id} was left in {partial} (interrupted before it finished)")
+    return notes
+
+
+def read_run_record(folder, mode):
+    path = folder / lab.RUN_RECORD_FILE
+    if not path.is_file():
+        unfinished = describe_unfinished(folder)
+        hint = f"; {unfinished[-1]}: rerun train.py --mode {mode}" if unfinished else f"; run train.py --mode {mode}"
+        raise AuditError(f"Lipsește artefactul obligatoriu: {path}{hint}", kind="FileNotFoundError")
+    record = read_json(path)
+    check(isinstance(record, dict), path, "expected a JSON object")
+    check(isinstance(record.get("run_id"), str), path, "no run_id")
+    check(record.get("mode") == mode, path, f"expected mode={mode}, got {record.get('mode')}")
+    check(isinstance(record.get("config"), dict), path, "no config")
+    check(isinstance(record.get("files"), dict), path, "no files list")
+    for name in lab.RUN_FILES:
+        check(name in record["files"], path, f"does not list {name}")
+    return record
+
+
+def compare_configs(every_record, no_sync_record, artifacts):
+    every_config, no_sync_config = every_record["config"], no_sync_record["config"]
+    differences = [
+        f"{key}: {every_config.get(key)!r} vs {no_sync_config.get(key)!r}"
+        for key in sorted(set(every_config) | set(no_sync_config))
+        if every_config.get(key) != no_sync_config.get(key)
+    ]
+    if differences:
+        raise AuditError(
+            f"{artifacts}/every and {artifacts}/no_sync come from different configurations ({'; '.join(differences)}); "
+            f"rerun both modes with the same settings and data"
+        )
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def check_history(path, mode, record, expected_config, sizes, hint):
+    history = read_json(path)
+    check(isinstance(history, list) and all(isinstance(row, dict) for row in history), path, "expected a list of epoch rows")
+    if len(history) != expected_config["epochs"]:
+        raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}{hint}")
+    for number, row in enumerate(history, start=1):
+        for key in ROW_INTEGERS:
+            check(is_int(row.get(key)), path, f"epoch row {number}: {key} must be a whole number, got {row.get(key)!r}")
+        for key in ROW_NUMBERS:
+            check(is_number(row.get(key)), path, f"epoch row {number}: {key} must be a number, got {row.get(key)!r}")
+        check(row["epoch"] == number, path, f"epoch row {number} is numbered {row['epoch']}")
+        check(row.get("mode") == mode, path, f"expected mode={mode}, got {row.get('mode')}")
+        check(row.get("run_id") == record["run_id"], path, f"epoch {number} has run id {row.get('run_id')}, run.json {record['run_id']}")
+        for key in ("train_accuracy", "validation_accuracy"):
+            check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
+        expected = lab.expected_epoch_counts(expected_config, mode, number, sizes)
+        for key, value in expected.items():
+            if row[key] != value:
+                advice = ""
+                if key == "gradient_syncs" and mode == "no_sync" and row[key] > value:
+                    advice = "; the forward ran outside no_sync() or the run used --mode every"
+                raise AuditError(
+                    f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice}){hint}"
+                )
+    return history
+
+
+def check_report(path, mode, record):
+    report = read_json(path)
+    check(isinstance(report, dict), path, "expected a JSON object")
+    check(report.get("mode") == mode, path, f"expected mode={mode}, got {report.get('mode')}")
+    check(report.get("run_id") == record["run_id"], path, f"run id {report.get('run_id')}, run.json {record['run_id']}")
+    check(report.get("config") == record["config"], path, "its config differs from run.json's")
+    matrix = report.get("confusion_matrix")
+    size = len(CLASSES)
+    check(
+        isinstance(matrix, list)
+        and len(matrix) == size
+        and all(isinstance(row, list) and len(row) == size and all(is_int(c) and c >= 0 for c in row) for row in matrix),
+        path,
+        f"confusion_matrix must be {size}x{size} non-negative whole numbers",
+    )
+    total = sum(map(sum, matrix))
+    test_size = record["config"].get("test_size")
+    check(total == test_size, path, f"the confusion matrix counts {total} test images, the run had {test_size}")
+    for key in ("model_test_loss", "model_test_accuracy", "baseline_accuracy"):
+        check(is_number(report.get(key)), path, f"{key} must be a number, got {report.get(key)!r}")
+    accuracy = sum(matrix[i][i] for i in range(size)) / total
+    check(
+        math.isclose(report["model_test_accuracy"], accuracy, abs_tol=1e-9),
+        path,
+        f"model_test_accuracy {report['model_test_accuracy']} differs from its confusion matrix ({accuracy})",
+    )
+    check(report.get("baseline_class") in CLASSES, path, f"baseline_class {report.get('baseline_class')!r} is not a class")
+    baseline = sum(matrix[CLASSES.index(report["baseline_class"])]) / total
+    check(
+        math.isclose(report["baseline_accuracy"], baseline, abs_tol=1e-9),
+        path,
+        f"baseline_accuracy {report['baseline_accuracy']} differs from its confusion matrix ({baseline})",
+    )
+    check(report.get("top_confusions") == lab.top_confusions(matrix), path, "top_confusions differ from its confusion matrix")
+    return report
+
+
+def check_model(path, mode, record):
+    require_file(path)
+    try:
+        _, checkpoint = load_checkpoint(path)
+    except CheckpointError as error:
+        raise AuditError(str(error)) from None
+    check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}, run.json {record['run_id']}")
+    check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")
+
+
+def check_png(path, record, size=None):
+    require_file(path)
+    try:
+        with Image.open(path) as image:
+            image.load()
+            image_format, image_size, text = image.format, image.size, dict(getattr(image, "text", {}))
+    except (OSError, SyntaxError, ValueError) as error:
+        raise AuditError(f"{path}: not a readable PNG ({error}); rerun train.py") from None
+    check(image_format == "PNG", path, f"expected a PNG, got {image_format}")
+    if size is not None:
+        check(image_size == size, path, f"expected {size[0]}x{size[1]} pixels, got {image_size[0]}x{image_size[1]}")
+    check(text.get("run_id") == record["run_id"], path, f"run id {text.get('run_id')}, run.json {record['run_id']}")
+
+
+def check_checksums(folder, record):
+    for name, expected in record["files"].items():
+        path = folder / name
+        require_file(path)
+        check(
+            path.stat().st_size == expected.get("bytes") and lab.sha256_file(path) == expected.get("sha256"),
+            path,
+            f"changed after the run finished (size or SHA-256 differs from {lab.RUN_RECORD_FILE}); rerun train.py",
+        )
+
+
+def audit_run(folder, mode, record, expected_config, sizes, hint):
+    history = check_history(folder / lab.HISTORY_FILE, mode, record, expected_config, sizes, hint)
+    report = check_report(folder / lab.REPORT_FILE, mode, record)
+    check_model(folder / lab.MODEL_FILE, mode, record)
+    check_png(folder / lab.SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
+    check_png(folder / lab.CONFUSION_FILE, record)
+    check_checksums(folder, record)
+    return history, report
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def per_epoch(history, key):
+    """The value if every epoch has the same one, else the values joined by '/'."""
+    values = [row[key] for row in history]
+    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+
+
+def total(history, key):
+    return sum(row[key] for row in history)
+
+
+def ratio(numerator, denominator):
+    return f"{numerator / denominator:.2f}x" if denominator else "n/a"
+
+
+def print_tables(runs):
+    every_history, every_report = runs["every"]
+    no_sync_history, no_sync_report = runs["no_sync"]
+    print("| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |")
+    print("|---|---:|---:|---:|")
+    for mode, (history, report) in runs.items():
+        print(
+            f"| {mode} | {per_epoch(history, 'optimizer_steps')} | {per_epoch(history, 'gradient_syncs')} | "
+            f"{report['model_test_accuracy']:.4f} |"
+        )
+    print()
+    epochs = len(every_history)
+    print(f"Communication per rank, totals over {epochs} epochs (comm and epoch seconds: means over ranks):")
+    print(
+        "| mode | gradient syncs | hook calls | all-reduce MB | buffer broadcasts | broadcast KB "
+        "| bucket-rebuild broadcasts | comm s | epoch s | images/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, (history, _) in runs.items():
+        print(
+            f"| {mode} | {total(history, 'gradient_syncs')} | {total(history, 'sync_bucket_calls')} | "
+            f"{total(history, 'allreduce_bytes') / 1e6:.1f} | {total(history, 'buffer_broadcasts')} | "
+            f"{total(history, 'broadcast_bytes') / 1e3:.1f} | {total(history, 'rebuild_broadcasts')} | "
+            f"{total(history, 'comm_seconds'):.2f} | "
+            f"{total(history, 'epoch_seconds'):.1f} | "
+            f"{sum(r['train_images_per_second'] for r in history) / epochs:.0f} |"
+        )
+    print(
+        "| every / no_sync | "
+        + " | ".join(
+            ratio(total(every_history, key), total(no_sync_history, key))
+            for key in (
+                "gradient_syncs",
+                "sync_bucket_calls",
+                "allreduce_bytes",
+                "buffer_broadcasts",
+                "broadcast_bytes",
+                "rebuild_broadcasts",
+                "comm_seconds",
+                "epoch_seconds",
+            )
+        )
+        + " | |"
+    )
+    print()
+    print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
+    print("top confusions:", no_sync_report["top_confusions"])
+
+
+def draw_pictures(artifacts, runs, records):
+    text = {"run_ids": json.dumps({mode: record["run_id"] for mode, record in records.items()})}
+    curves = []
+    for metric, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
+        series = [
+            {"label": f"{mode} {split}", "mode": mode, "dashed": split == "validation", "values": [row[f"{split}_{metric}"] for row in history]}
+            for mode, (history, _) in runs.items()
+            for split in ("train", "validation")
+        ]
+        curves.append({"title": f"{metric} per epoch", "y_label": label, "series": series})
+    image, data = plots.line_panels("Training curves: every vs no_sync (validation dashed)", curves)
+    lab.write_atomic(artifacts / lab.CURVES_FILE, lab.png_bytes(image, {**text, "data": json.dumps(data)}))
+
+    panels = [
+        ("gradient_syncs", "gradient syncs per epoch", "syncs", 1),
+        ("allreduce_bytes", "all-reduced gradients per epoch", "MB per rank", 1e6),
+        ("buffer_broadcasts", "buffer broadcasts per epoch", "broadcasts", 1),
+        ("comm_seconds", "time in collectives per epoch", "seconds (mean over ranks)", 1),
+    ]
+    bars = [
+        {"title": title, "y_label": unit, "bars": {mode: [row[key] / scale for row in history] for mode, (history, _) in runs.items()}}
+        for key, title, unit, scale in panels
+    ]
+    image, data = plots.bar_panels("Communication: every vs no_sync", bars)
+    lab.write_atomic(artifacts / lab.COMMUNICATION_FILE, lab.png_bytes(image, {**text, "data": json.dumps(data)}))
+
+
+def main():
+    args = parse_args()
+    artifacts = args.artifacts
+    records = {mode: read_run_record(artifacts / mode, mode) for mode in lab.MODES}
+    for mode, record in records.items():
+        print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
+        for note in describe_unfinished(artifacts / mode):
+            print(f"note: {note}; {artifacts / mode} holds the previous complete run")
+    compare_configs(records["every"], records["no_sync"], artifacts)
+
+    config = records["every"]["config"]
+    if args.expect_from_config:
+        expected_config, hint = config, ""
+    else:
+        expected_config = lab.DOCUMENTED
+        departures = [f"{key}={config.get(key)}" for key, value in lab.DOCUMENTED.items() if config.get(key) != value]
+        hint = (
+            f" (these runs are not the documented experiment: {', '.join(departures)}; "
+            f"to audit them against their own configuration pass --expect-from-config)"
+            if departures
+            else ""
+        )
+    sizes = lab.comm_sizes(CifarCNN())
+    runs = {
+        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, hint) for mode in lab.MODES
+    }
+    print_tables(runs)
+    draw_pictures(artifacts, runs, records)
+    print(f"pictures: {artifacts / lab.CURVES_FILE}, {artifacts / lab.COMMUNICATION_FILE}")
+    every_syncs = total(runs["every"][0], "gradient_syncs")
+    no_sync_syncs = total(runs["no_sync"][0], "gradient_syncs")
+    print(f"AUDIT PASSED: no_sync reduced gradient synchronizations by {every_syncs / no_sync_syncs:g}x")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT)
