@@ -228,6 +228,21 @@ def expected_epoch_counts(config, mode, epoch, sizes):
     }
 
 
+# ----------------------------------------------------------------------------- results
+
+
+def top_confusions(matrix, limit=5):
+    """The most frequent off-diagonal (true, predicted, count) pairs: count descending, then class order."""
+    pairs = [
+        (count, true, predicted)
+        for true, row in enumerate(matrix)
+        for predicted, count in enumerate(row)
+        if true != predicted and count > 0
+    ]
+    pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
+    return [{"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count} for count, true, predicted in pairs[:limit]]
+
+
 # ----------------------------------------------------------------------------- artifacts, all or nothing
 
 
@@ -337,14 +352,3 @@ class RunFolder:
         if replaced is not None:
             shutil.rmtree(replaced)
 
-
-def top_confusions(matrix, limit=5):
-    """The most frequent off-diagonal (true, predicted, count) pairs: count descending, then class order."""
-    pairs = [
-        (count, true, predicted)
-        for true, row in enumerate(matrix)
-        for predicted, count in enumerate(row)
-        if true != predicted and count > 0
-    ]
-    pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
-    return [{"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count} for count, true, predicted in pairs[:limit]]

@@ -88,7 +88,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
-        "--progress-every", type=lab.non_negative_float, default=5.0, metavar="SECONDS", help="at most one line per"
+        "--progress-every", type=lab.non_negative_float, default=5.0, metavar="SECONDS", help="seconds between progress lines"
     )
     return parser.parse_args(argv)
 

@@ -4,13 +4,15 @@ The counts are worked out by hand for the small experiment of conftest.py: 400 t
 and epoch in micro-batches of 10 are 40 micro-batches, 10 windows of 4.
 """
 import json
+import random
 
 import numpy as np
 import torch
 from PIL import Image
 
 import lab
-from conftest import TEST_IMAGES, assert_ok, read_json, run_python, stderr_lines, train
+import synthetic_data
+from conftest import TEST_IMAGES, assert_ok, read_json, run_python, stderr_lines, subprocess_env, train
 from model import CLASSES, CifarCNN, eval_transform
 
 GRADIENT_BYTES = 558_538 * 4
@@ -162,3 +164,25 @@ def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     first_report, second_report = (read_json(folder / "report.json") for folder in (artifacts / "every", tmp_path / "every"))
     assert first_report["confusion_matrix"] == second_report["confusion_matrix"]
+
+
+def test_lost_gradients_do_not_beat_the_baseline(image_data, tmp_path):
+    """The same data and pipeline, but the optimizer never sees a gradient: accuracy stays near chance,
+    so the working pipeline's accuracy (test_e2e.py: above 0.5) is evidence that it learns."""
+    assert_ok(train(image_data, tmp_path / "out", "every", "--quiet", env=subprocess_env(LAB_TEST_LOSE_GRADIENTS="1")))
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["model_test_accuracy"] < 0.25, report["model_test_accuracy"]
+
+
+def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
+    """The synthetic data are learnable only through their labels: with the training labels shuffled
+    the same pipeline stays near chance, so the quick run's accuracy means something."""
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 1000, 200)
+    files = sorted((root / "train").rglob("*.png"))
+    targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
+    for index, (path, target) in enumerate(zip(files, targets)):
+        path.rename(target / f"shuffled-{index:05d}.png")
+    assert_ok(train(root, tmp_path / "out", "every", "--quiet"))
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["model_test_accuracy"] < 0.25, report["model_test_accuracy"]

@@ -8,6 +8,7 @@ LAB_TEST_CIFAR_MD5 (JSON {file name: md5}): torchvision checks the official CIFA
 LAB_TEST_CIFAR_URL: where torchvision downloads CIFAR-10 from (the tests use a closed local port).
 LAB_TEST_RAISE_AT_STEP ("<rank>:<step>"): that rank raises torch.OutOfMemoryError in its <step>th optimizer
   step, as a rank out of memory would.
+LAB_TEST_LOSE_GRADIENTS=1: the optimizer finds no gradients (a pipeline that loses them); it updates nothing.
 """
 import json
 import os
@@ -38,3 +39,16 @@ if os.environ.get("LAB_TEST_RAISE_AT_STEP"):
         return original_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = step_that_runs_out_of_memory
+
+if os.environ.get("LAB_TEST_LOSE_GRADIENTS"):
+    import torch
+
+    original_adamw_step = torch.optim.AdamW.step
+
+    def step_without_gradients(self, *args, **kwargs):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.grad = None
+        return original_adamw_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step_without_gradients
