@@ -41,7 +41,7 @@ quick: $(VENV)/.requirements
 	test -d $(QUICK_DATA) || $(PY) synthetic_data.py --out $(QUICK_DATA) --train-source 2000 --test 500
 	device=$$($(PY) check_env.py --lab-device) && \
 	$(TRAIN) --device $$device --mode every --output $(QUICK)/every --data-dir $(QUICK_DATA) --epochs 3 && \
-	$(TRAIN) --device $$device --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3 --batch-size 20
+	$(TRAIN) --device $$device --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3
 	$(PY) verify.py --artifacts $(QUICK) --expect-from-config
 	$(PY) infer.py --checkpoint $(QUICK)/no_sync/model.pt --image $(QUICK)/no_sync/sample_test.png
 
