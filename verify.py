@@ -32,6 +32,7 @@ COUNT_LABELS = {
     "rebuild_broadcasts": "bucket-rebuild broadcasts",
 }
 ROW_INTEGERS = ("epoch", *COUNT_LABELS)
+CONFIG_COUNTS = ("world_size", "batch_size", "accum_steps", "epochs", "train_size", "validation_size", "test_size")
 ROW_NUMBERS = (
     "train_loss",
     "train_accuracy",
@@ -116,7 +117,16 @@ def read_run_record(folder, mode):
     check(isinstance(record.get("config"), dict), path, "no config")
     check(isinstance(record.get("files"), dict), path, "no files list")
     for name in lab.RUN_FILES:
-        check(name in record["files"], path, f"does not list {name}")
+        entry = record["files"].get(name)
+        check(
+            isinstance(entry, dict) and is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str),
+            path,
+            f"does not list {name} with its size and SHA-256",
+        )
+    config = record["config"]
+    for key in CONFIG_COUNTS:
+        check(is_int(config.get(key)) and config[key] > 0, path, f"config {key} must be a positive whole number, got {config.get(key)!r}")
+    check(config.get("partial_window") in lab.PARTIAL_WINDOW_POLICIES, path, f"config partial_window {config.get('partial_window')!r} is unknown")
     return record
 
 

@@ -91,6 +91,12 @@ def test_runs_with_different_configurations(runs):
     assert_one_line_error(audit(runs), "come from different configurations (seed: 47 vs 48)", code=1)
 
 
+def test_a_configuration_of_the_wrong_type(runs):
+    for mode in ("every", "no_sync"):
+        edit_json(runs / mode / lab.RUN_RECORD_FILE, lambda record: record["config"].update(batch_size="10"))
+    assert_one_line_error(audit(runs), "config batch_size must be a positive whole number, got '10'", code=1)
+
+
 def test_files_of_different_runs(runs):
     edit_json(runs / "every" / "report.json", lambda report: report.update(run_id="20260101T000000Z-000000"))
     assert_one_line_error(audit(runs), f"{runs}/every/report.json: run id 20260101T000000Z-000000, run.json", code=1)

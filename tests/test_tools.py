@@ -1,0 +1,35 @@
+"""The helper commands: the environment check, the synthetic data writer and `make clean`."""
+import shutil
+import subprocess
+
+from conftest import REPO, assert_one_line_error, run_python
+
+
+def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
+    result = run_python("check_env.py")
+    assert result.returncode == 0, result.stderr
+    for label in ("OS:", "Python:", "torch:", "torchvision:", "CUDA runtime:", "GPU count:", "free disk here:", "data:"):
+        assert label in result.stdout
+    assert "BF16 autocast on CPU works: True" in result.stdout
+    # This test runs on CPU machines (CI has no GPU): the verdict must say so.
+    assert "The lab will run on CPU: 2 processes with gloo" in result.stdout
+    assert run_python("check_env.py", "--lab-device").stdout.strip() == "cpu"
+
+
+def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
+    (tmp_path / "data").mkdir()
+    assert_one_line_error(run_python("synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it")
+
+
+def test_make_clean_removes_only_the_labs_outputs(tmp_path):
+    lab_copy = tmp_path / "lab"
+    shutil.copytree(REPO, lab_copy, ignore=shutil.ignore_patterns(".venv", ".git", "artifacts", "data", "__pycache__"))
+    for made in ("artifacts/every", "data/train", ".venv/bin", "__pycache__"):
+        (lab_copy / made).mkdir(parents=True)
+    (tmp_path / "artifacts").mkdir()  # someone else's folder beside the lab
+    result = subprocess.run(["make", "-C", str(lab_copy), "clean"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for made in ("artifacts", "data", ".venv", "__pycache__"):
+        assert not (lab_copy / made).exists()
+    assert (lab_copy / "train.py").is_file() and (lab_copy / "README.md").is_file()
+    assert (tmp_path / "artifacts").is_dir()
