@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from lab import DOCUMENTED, ArgumentParser
+from lab import DOCUMENTED, TORCHVISION_FOLDER, ArgumentParser, is_image_folder_tree
 
 WORLD_SIZE = DOCUMENTED["world_size"]
 DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
@@ -41,9 +41,9 @@ def bf16_autocast_works(device):
 
 
 def data_status(data_dir):
-    if (data_dir / "train").is_dir() or (data_dir / "test").is_dir():
+    if is_image_folder_tree(data_dir):
         return f"image folders in {data_dir}/ (train/<class>/, test/<class>/)"
-    if (data_dir / "cifar-10-batches-py").is_dir():
+    if (data_dir / TORCHVISION_FOLDER).is_dir():
         return f"torchvision's CIFAR-10 in {data_dir}/"
     return f"absent: rank 0 downloads CIFAR-10 (163 MB) into {data_dir}/ on the first run"
 

@@ -22,7 +22,6 @@ import lab
 from model import CLASSES, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 BATCH_SIZE = 256
 
 
@@ -55,7 +54,7 @@ def collect_images(paths):
     items = []
     for path in paths:
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in lab.IMAGE_SUFFIXES)
             items.extend((p, None) for p in found)
             if not found:
                 items.append((path, "no PNG or JPEG images in this folder"))

@@ -45,6 +45,11 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for bu
 # profiler's c10d::broadcast_ events).
 REBUILD_BROADCASTS = 2
 
+# The two dataset layouts train.py reads: image folders train/<class>/ and test/<class>/ holding these files,
+# or torchvision's CIFAR-10 (its pickled batches in this folder).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+TORCHVISION_FOLDER = "cifar-10-batches-py"
+
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
 MODEL_FILE = "model.pt"
 HISTORY_FILE = "history.json"
@@ -106,6 +111,11 @@ def non_negative_float(text):
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
+
+
+def is_image_folder_tree(data_dir):
+    """Image folders take precedence: a data folder with train/ or test/ is read as one."""
+    return (Path(data_dir) / "train").exists() or (Path(data_dir) / "test").exists()
 
 
 # ----------------------------------------------------------------------------- the accumulation window

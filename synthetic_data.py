@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from lab import ArgumentParser, LabError, exit_with, positive_int
+from lab import TORCHVISION_FOLDER, ArgumentParser, LabError, exit_with, positive_int
 from model import CLASSES, IMAGE_SIZE
 
 LAYOUTS = ("image-folders", "torchvision")
-TORCHVISION_FOLDER = "cifar-10-batches-py"
 TRAIN_BATCHES = 5
 
 # Five colours times two stripe directions make the ten classes.

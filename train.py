@@ -51,7 +51,6 @@ import plots
 from model import CLASSES, IMAGE_SIZE, CifarCNN, eval_transform, normalize
 
 SCRIPT = "train.py"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 # Bounds a wait on a stuck (alive but silent) peer, rank 0's CIFAR-10 download (163 MB) included; a peer
 # that dies is noticed at once by torchrun, which then stops the others.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -233,7 +232,7 @@ def read_image_split(split_dir):
         )
     images, labels = [], []
     for label, name in enumerate(CLASSES):
-        files = sorted(p for p in (split_dir / name).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted(p for p in (split_dir / name).iterdir() if p.is_file() and p.suffix.lower() in lab.IMAGE_SUFFIXES)
         if not files:
             raise lab.LabError(f"{split_dir / name} holds no PNG or JPEG images; every class needs some")
         images.extend(decode_cifar_image(path) for path in files)
@@ -267,7 +266,7 @@ def read_torchvision_cifar(data_dir, rank):
 def load_data(data_dir, rank):
     if data_dir.exists() and not data_dir.is_dir():
         raise lab.LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
-    if (data_dir / "train").exists() or (data_dir / "test").exists():
+    if lab.is_image_folder_tree(data_dir):
         train_images, train_labels = read_image_split(data_dir / "train")
         test_images, test_labels = read_image_split(data_dir / "test")
         return DataSource("image-folders", train_images, train_labels, test_images, test_labels)
@@ -335,7 +334,6 @@ class CommAudit:
     """Per-rank running totals of what crosses between the ranks during training and evaluation."""
 
     world_size: int
-    group: object = None
     sync_bucket_calls: int = 0
     gradient_syncs: int = 0
     allreduce_bytes: int = 0
@@ -376,7 +374,7 @@ def counting_allreduce_hook(audit, bucket):
         audit.allreduce_seconds += time.perf_counter() - started
         return future.value()[0]
 
-    return dist.all_reduce(tensor, group=audit.group, async_op=True).get_future().then(finished)
+    return dist.all_reduce(tensor, async_op=True).get_future().then(finished)
 
 
 class AuditedDDP(DDP):
@@ -408,7 +406,7 @@ def wrap_model(model, device, world_size):
         bucket_cap_mb=lab.BUCKET_CAP_MB,
         broadcast_buffers=True,
     )
-    audit = CommAudit(world_size=world_size, group=dist.group.WORLD)
+    audit = CommAudit(world_size=world_size)
     ddp_model.comm_audit = audit
     ddp_model.register_comm_hook(audit, counting_allreduce_hook)
     return ddp_model, audit
@@ -568,7 +566,7 @@ def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, af
     }
 
 
-def write_results(folder, args, config, confusion, majority, model, test_image, test_loss, run_id, started_at):
+def write_results(folder, args, config, confusion, majority, model, test_image, test_metrics, run_id, started_at):
     """Rank 0: report, checkpoint, pictures, then publish the run folder. Returns the report."""
     matrix = confusion.tolist()
     test_size = config["test_size"]
@@ -576,8 +574,8 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
         "mode": args.mode,
         "baseline_class": CLASSES[majority],
         "baseline_accuracy": sum(matrix[majority]) / test_size,
-        "model_test_loss": test_loss,
-        "model_test_accuracy": sum(matrix[i][i] for i in range(len(CLASSES))) / test_size,
+        "model_test_loss": test_metrics[0],
+        "model_test_accuracy": test_metrics[1],
         "confusion_matrix": matrix,
         "top_confusions": lab.top_confusions(matrix),
         "run_id": run_id,
@@ -656,10 +654,10 @@ def run(args, rank, world_size, device, backend):
             folder.write(lab.HISTORY_FILE, lab.json_bytes(history))  # a killed run leaves its history so far
 
     progress.prefix = ""
-    test_loss, _, confusion = evaluate(ddp_model, test_loader, criterion, device, autocast, progress, "test")
+    test_loss, test_accuracy, confusion = evaluate(ddp_model, test_loader, criterion, device, autocast, progress, "test")
     if is_writer:
         report = write_results(
-            folder, args, config, confusion, majority, ddp_model.module, source.test_images[0], test_loss, run_id, started_at
+            folder, args, config, confusion, majority, ddp_model.module, source.test_images[0], (test_loss, test_accuracy), run_id, started_at
         )
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     dist.barrier()

@@ -38,7 +38,7 @@ def test_both_layouts_load_the_same_images(tmp_path, single_process_group, monke
         tmp_path / "pickles", "torchvision", 100, 30
     )
     synthetic_data.write_dataset(tmp_path / "folders", "image-folders", 100, 30)
-    sums = md5_sums(tmp_path / "pickles" / synthetic_data.TORCHVISION_FOLDER)
+    sums = md5_sums(tmp_path / "pickles" / lab.TORCHVISION_FOLDER)
     monkeypatch.setattr(CIFAR10, "train_list", [[name, sums[name]] for name, _ in CIFAR10.train_list])
     monkeypatch.setattr(CIFAR10, "test_list", [[name, sums[name]] for name, _ in CIFAR10.test_list])
     monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums["batches.meta"]})
@@ -107,6 +107,20 @@ def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, frag
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
 
 
+def test_a_data_dir_that_is_a_file(tmp_path):
+    (tmp_path / "data").write_text("not a folder")
+    with pytest.raises(lab.LabError, match="--data-dir .* is a file; pass the folder that holds the dataset"):
+        train.load_data(tmp_path / "data", rank=0)
+
+
+def test_too_few_images_for_the_ranks(tmp_path):
+    synthetic_data.write_dataset(tmp_path / "data", "image-folders", 10, 10)
+    source = train.load_data(tmp_path / "data", rank=0)
+    source.test_images, source.test_labels = source.test_images[:1], source.test_labels[:1]
+    with pytest.raises(lab.LabError, match="too few images for 2 ranks: .*'test': 1"):
+        train.build_loaders(source, batch_size=4, seed=47, rank=0, world_size=2, pin_memory=False)
+
+
 def test_train_py_reports_a_missing_class_in_one_line(tmp_path):
     root = tmp_path / "data"
     synthetic_data.write_dataset(root, "image-folders", 40, 20)
@@ -134,7 +148,7 @@ def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
 def test_torchvision_layout_end_to_end_counts(tmp_path):
     """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
     synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", 1000, 200)
-    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / synthetic_data.TORCHVISION_FOLDER)))
+    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / lab.TORCHVISION_FOLDER)))
     for mode, syncs in (("every", 40), ("no_sync", 10)):
         result = run_train(tmp_path / "cifar", tmp_path / "artifacts" / mode, mode, "--epochs", "1", "--quiet", env=env)
         assert result.returncode == 0, result.stderr
