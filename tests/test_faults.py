@@ -82,12 +82,15 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
 
 def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     artifacts = tmp_path / "artifacts"
-    for mode, syncs in (("every", 14), ("no_sync", 4)):
+    for mode, syncs, device in (("every", 14, "auto"), ("no_sync", 4, "cpu")):
         result = assert_ok(
-            train(image_data, artifacts / mode, mode, "--batch-size", "30", "--partial-window", "scale", "--epochs", "1", "--quiet")
+            train(image_data, artifacts / mode, mode, "--batch-size", "30", "--partial-window", "scale", "--epochs", "1", "--quiet", "--device", device)
         )
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (4, syncs)
+        # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
+        notices = [line for line in result.stderr.splitlines() if "CUDA is not available; running on CPU" in line]
+        assert len(notices) == (1 if device == "auto" else 0), result.stderr
     audit = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"

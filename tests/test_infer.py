@@ -149,5 +149,15 @@ def test_a_checkpoint_with_pickled_code_is_refused_not_executed(checkpoint, tmp_
     assert not marker.exists()
 
 
+def test_device_cuda(checkpoint, tmp_path):
+    picture = tmp_path / "p.png"
+    Image.new("RGB", (32, 32)).save(picture)
+    result = infer(checkpoint, picture, extra=("--device", "cuda"))
+    if torch.cuda.is_available():
+        assert result.returncode == 0, result.stderr
+    else:
+        assert_one_line_error(result, "--device cuda: no CUDA device is visible", "--device cpu")
+
+
 def test_top_k_out_of_range(checkpoint, tmp_path):
     assert_one_line_error(infer(checkpoint, tmp_path, extra=("--top-k", "0")), "argument --top-k: must be at least 1, got 0")

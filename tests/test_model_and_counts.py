@@ -1,4 +1,6 @@
 """The model's facts and the arithmetic of the audit, checked against numbers worked out by hand."""
+import json
+
 import pytest
 import torch
 
@@ -108,6 +110,24 @@ def test_bucket_rebuild_happens_at_the_first_training_forward_after_a_sync():
     # One window per epoch: no_sync's first sync is the epoch's last forward; the rebuild waits for epoch 2.
     assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "no_sync") == 2
     assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "every") == 1
+
+
+def test_run_folder_publishes_all_at_once_and_clears_stale_partials(tmp_path):
+    output = tmp_path / "every"
+    output.mkdir()
+    (output / lab.HISTORY_FILE).write_text("[] (the previous run)")
+    stale = tmp_path / ".every.partial-killedrun"
+    stale.mkdir()
+    folder = lab.RunFolder(output, "newrun")
+    folder.begin()
+    assert not stale.exists() and folder.partial.is_dir()
+    folder.write(lab.HISTORY_FILE, b"[]\n")
+    assert (output / lab.HISTORY_FILE).read_text() == "[] (the previous run)"  # untouched until published
+    folder.publish({"run_id": "newrun"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["every"]  # no partial or replaced folder left
+    record = json.loads((output / lab.RUN_RECORD_FILE).read_text())
+    assert record["run_id"] == "newrun"
+    assert record["files"][lab.HISTORY_FILE]["sha256"] == lab.sha256_file(output / lab.HISTORY_FILE)
 
 
 def test_top_confusions_are_off_diagonal_by_count_then_class_order():

@@ -133,6 +133,12 @@ def test_a_file_changed_after_the_run(runs):
     assert_one_line_error(audit(runs), f"{runs}/no_sync/sample_test.png: changed after the run finished", code=1)
 
 
+def test_a_damaged_picture(runs):
+    path = runs / "every" / "confusion_matrix.png"
+    path.write_bytes(path.read_bytes()[:200])
+    assert_one_line_error(audit(runs), f"{runs}/every/confusion_matrix.png: not a readable PNG", code=1)
+
+
 def test_an_interrupted_run_is_named(runs):
     (runs / ".no_sync.partial-20260101T000000Z-abcdef").mkdir()
     passed = audit(runs)
