@@ -27,11 +27,10 @@ $(VENV)/.requirements-dev: requirements-dev.txt requirements.txt | $(PY)
 	touch $@
 
 # The documented experiment: both modes, 5 epochs, local batch 50, accum_steps 4; on two GPUs when there
-# are two, else on CPU. Then the audit and one inference.
+# are two, else on CPU (train.py's device policy). Then the audit and one inference.
 lab: $(VENV)/.requirements
-	device=$$($(PY) check_env.py --lab-device) && \
-	$(TRAIN) --device $$device --mode every --output $(ARTIFACTS)/every --data-dir $(DATA) && \
-	$(TRAIN) --device $$device --mode no_sync --output $(ARTIFACTS)/no_sync --data-dir $(DATA)
+	$(TRAIN) --mode every --output $(ARTIFACTS)/every --data-dir $(DATA)
+	$(TRAIN) --mode no_sync --output $(ARTIFACTS)/no_sync --data-dir $(DATA)
 	$(PY) verify.py --artifacts $(ARTIFACTS)
 	$(PY) infer.py --checkpoint $(ARTIFACTS)/no_sync/model.pt --image $(ARTIFACTS)/no_sync/sample_test.png
 
@@ -39,9 +38,8 @@ lab: $(VENV)/.requirements
 # configuration.
 quick: $(VENV)/.requirements
 	test -d $(QUICK_DATA) || $(PY) synthetic_data.py --out $(QUICK_DATA) --train-source 2000 --test 500
-	device=$$($(PY) check_env.py --lab-device) && \
-	$(TRAIN) --device $$device --mode every --output $(QUICK)/every --data-dir $(QUICK_DATA) --epochs 3 && \
-	$(TRAIN) --device $$device --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3
+	$(TRAIN) --mode every --output $(QUICK)/every --data-dir $(QUICK_DATA) --epochs 3
+	$(TRAIN) --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3
 	$(PY) verify.py --artifacts $(QUICK) --expect-from-config
 	$(PY) infer.py --checkpoint $(QUICK)/no_sync/model.pt --image $(QUICK)/no_sync/sample_test.png
 

@@ -1,10 +1,12 @@
 """The document's environment check: what this machine has, and which way the lab will run on it.
 
-    python check_env.py               # the report (make check)
-    python check_env.py --lab-device  # only 'cuda' or 'cpu': the device `make lab` passes to train.py
+    python check_env.py                       # the report (make check)
+    python check_env.py --nproc-per-node 1    # for a node of a multi-node run with one process
+    python check_env.py --lab-device          # only 'cuda' or 'cpu': what train.py --device auto will take
 
-The lab runs two processes: on two GPUs (NCCL, one process per GPU) when at least two are visible, else on
-CPU (gloo). BF16 autocast is used on both; this check runs a small BF16 convolution to show it works here.
+train.py's device policy (lab.node_device) decides per node: GPUs (NCCL, one process per GPU) when the node
+has at least one visible GPU per process it runs, else CPU (gloo). BF16 autocast is used on both; this check
+runs a small BF16 convolution to show it works here.
 """
 import platform
 import shutil
@@ -14,14 +16,9 @@ from pathlib import Path
 import torch
 import torchvision
 
-from lab import DOCUMENTED, TORCHVISION_FOLDER, ArgumentParser, is_image_folder_tree
+from lab import DOCUMENTED, TORCHVISION_FOLDER, ArgumentParser, is_image_folder_tree, node_device, positive_int
 
-WORLD_SIZE = DOCUMENTED["world_size"]
 DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
-
-
-def lab_device():
-    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE else "cpu"
 
 
 def os_name():
@@ -45,20 +42,23 @@ def data_status(data_dir):
         return f"image folders in {data_dir}/ (train/<class>/, test/<class>/)"
     if (data_dir / TORCHVISION_FOLDER).is_dir():
         return f"torchvision's CIFAR-10 in {data_dir}/"
-    return f"absent: rank 0 downloads CIFAR-10 (163 MB) into {data_dir}/ on the first run"
+    return f"absent: the first run downloads CIFAR-10 (163 MB) into {data_dir}/ (one process per node)"
 
 
 def main():
     parser = ArgumentParser(prog="check_env.py", description="Report this machine and the way the lab will run.")
     parser.add_argument("--lab-device", action="store_true", help="print only cuda or cpu")
+    parser.add_argument(
+        "--nproc-per-node", type=positive_int, default=DOCUMENTED["world_size"], help="processes this node will run"
+    )
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     args = parser.parse_args()
-    device = lab_device()
+    processes = args.nproc_per_node
+    device, gpus = node_device(processes)
     if args.lab_device:
         print(device)
         return
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"OS:               {os_name()}")
     print(f"Python:           {sys.version.split()[0]}")
     print(f"torch:            {torch.__version__}")
@@ -73,11 +73,11 @@ def main():
     print(f"data:             {data_status(args.data_dir)}")
     print()
     if device == "cuda":
-        print(f"The lab will run on GPUs: {WORLD_SIZE} processes, one per GPU, NCCL, BF16 autocast.")
+        print(f"The lab will run on GPUs: {processes} process(es) here, one per GPU, NCCL, BF16 autocast.")
     else:
         print(
-            f"The lab will run on CPU: {WORLD_SIZE} processes with gloo, BF16 autocast on CPU "
-            f"({gpus} GPU(s) visible; the GPU path needs {WORLD_SIZE})."
+            f"The lab will run on CPU: {processes} process(es) here with gloo, BF16 autocast on CPU "
+            f"({gpus} GPU(s) visible; the GPU path needs {processes})."
         )
     if free < DATA_GIGABYTES:
         print(f"Not enough free disk for the data: free at least {DATA_GIGABYTES} GB here.")

@@ -90,7 +90,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors: the problem and where to look, without the usage block."""
 
     def error(self, message):
-        exit_with(LabError(f"{message} (see: python {self.prog} --help)"), self.prog)
+        # Under torchrun every process parses the same options: one line per node is enough.
+        exit_with(LabError(f"{message} (see: python {self.prog} --help)"), self.prog, show=os.environ.get("LOCAL_RANK", "0") == "0")
 
 
 def positive_int(text):
@@ -111,6 +112,26 @@ def non_negative_float(text):
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
+
+
+def node_device(local_world_size):
+    """The lab's one device policy, per node: CUDA when this node has a GPU for each of its processes
+    (torchrun's LOCAL_WORLD_SIZE), else CPU. Returns the device type and the number of visible GPUs."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ("cuda" if visible >= local_world_size else "cpu"), visible
+
+
+def loopback_node_command(node, nodes, port, script_args):
+    """The torchrun command of node `node` of a multi-node run emulated on one machine (the tests, the
+    network benchmark): one process per node, c10d rendezvous hosted by node 0, all traffic on 127.0.0.1.
+    On real machines only the endpoint and the node's own address differ (README "Across machines")."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nodes}", f"--node-rank={node}", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=lab-{port}",
+        f"--rdzv-conf=is_host={int(node == 0)}", "--local-addr=127.0.0.1",
+        *map(str, script_args),
+    ]  # fmt: skip
 
 
 def is_image_folder_tree(data_dir):
@@ -315,6 +336,12 @@ def unfinished_runs(output):
     return sorted(output.parent.glob(f".{output.name}.partial-*"))
 
 
+def replaced_runs(output):
+    """Hidden folders of runs that a newer run replaced, left when publishing was interrupted."""
+    output = Path(output)
+    return sorted(output.parent.glob(f".{output.name}.replaced-*"))
+
+
 def is_replaceable_output(output):
     """A folder train.py may replace: absent, empty, or holding nothing but lab artifacts."""
     output = Path(output)
@@ -333,6 +360,11 @@ class RunFolder:
     history after each epoch). Publishing writes run.json last, with the size and SHA-256 of every file, and
     renames the folder into place: a reader finds the previous complete run or the new complete run, never a
     mix. A killed run leaves only its partial folder, which the next run into the same output removes.
+
+    Replacing a run takes two renames (the old folder aside as `.every.replaced-<new run id>`, the new one into
+    place) and a removal. A crash between them leaves both hidden folders and no `every/`; a crash during the
+    removal leaves part of the replaced folder. verify.py names each such leftover, and the next run into the
+    same output removes them before it starts.
     """
 
     def __init__(self, output, run_id):
@@ -341,7 +373,7 @@ class RunFolder:
         self.partial = self.output.parent / f".{self.output.name}.partial-{run_id}"
 
     def begin(self):
-        for stale in unfinished_runs(self.output):
+        for stale in unfinished_runs(self.output) + replaced_runs(self.output):
             shutil.rmtree(stale)
         self.partial.mkdir(parents=True)
 

@@ -10,6 +10,7 @@ from PIL import Image, ImageDraw, ImageFont
 WHITE = (255, 255, 255)
 INK = (33, 33, 33)
 GRID = (222, 222, 222)
+GRID_DARK = (150, 150, 150)
 HEAT = (8, 69, 148)  # the darkest shade of the confusion matrix
 MODE_COLOURS = {"every": (31, 119, 180), "no_sync": (227, 111, 30)}
 # every is drawn wide and no_sync narrow on top of it, so both stay visible where the two runs agree.
@@ -95,7 +96,8 @@ def tick_label(value):
 class Axes:
     """One panel: a frame, grid, ticks and labels, and the mapping from data to pixels."""
 
-    def __init__(self, image, box, x_range, y_ticks, title, x_label, y_label):
+    def __init__(self, image, box, x_range, y_ticks, title, x_label, y_label, x_ticks=None):
+        """x_ticks: (value, label) pairs; by default every whole number in x_range (the epochs)."""
         self.image, self.draw = image, ImageDraw.Draw(image)
         self.left, self.top, self.right, self.bottom = box
         self.x_range = x_range
@@ -105,8 +107,10 @@ class Axes:
             y = self.y(tick)
             self.draw.line((self.left, y, self.right, y), fill=GRID)
             self.draw.text((self.left - 6, y), tick_label(tick), font=small, fill=INK, anchor="rm")
-        for epoch in range(math.ceil(x_range[0]), math.floor(x_range[1]) + 1):
-            self.draw.text((self.x(epoch), self.bottom + 6), str(epoch), font=small, fill=INK, anchor="mt")
+        if x_ticks is None:
+            x_ticks = [(epoch, str(epoch)) for epoch in range(math.ceil(x_range[0]), math.floor(x_range[1]) + 1)]
+        for value, label in x_ticks:
+            self.draw.text((self.x(value), self.bottom + 6), label, font=small, fill=INK, anchor="mt")
         self.draw.rectangle(box, outline=INK)
         centred_text(self.draw, ((self.left + self.right) / 2, self.top - 16), title, font(15))
         centred_text(self.draw, ((self.left + self.right) / 2, self.bottom + 30), x_label, font(13))
@@ -225,3 +229,38 @@ def bar_panels(title, panels, columns=2):
         data.append({"title": panel["title"], "bars": drawn, "zero_y": axes.y(0)})
     legend(draw, (boxes[0][0], height - 26), [(mode, MODE_COLOURS[mode], None) for mode in panels[0]["bars"]])
     return image, {"panels": data}
+
+
+def speedup_image(title, points, curve, ceiling, caption):
+    """Speedup against link rate, the rate on a log axis. points: measured [{"label", "x", "speedup"}] with x
+    the log10 of the rate (or any position for "no limit"); curve: the model's [(x, speedup)]; ceiling: the
+    largest speedup possible (accum_steps), drawn dashed. Returns (image, data with each point's pixel)."""
+    (width, height), (box,) = panel_grid(1, 1, panel_width=720, panel_height=380)
+    height += 24
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    xs = [x for x, _ in curve] + [point["x"] for point in points]
+    x_range = (min(xs) - 0.15, max(xs) + 0.15)
+    axes = Axes(
+        image, box, x_range, nice_ticks(1, ceiling), "every / no_sync, seconds per optimizer step",
+        "link rate (Mbit/s, log scale)", "speedup", x_ticks=[(point["x"], point["label"]) for point in points],
+    )  # fmt: skip
+    dashed_line(draw, (axes.left, axes.y(ceiling)), (axes.right, axes.y(ceiling)), GRID_DARK, 2)
+    predicted, measured = MODE_COLOURS["every"], MODE_COLOURS["no_sync"]
+    curve_pixels = [(axes.x(x), axes.y(speedup)) for x, speedup in curve]
+    for start, end in zip(curve_pixels, curve_pixels[1:]):
+        draw.line((*start, *end), fill=predicted, width=3)
+    drawn = []
+    for point in points:
+        x, y = axes.x(point["x"]), axes.y(point["speedup"])
+        draw.ellipse((x - 7, y - 7, x + 7, y + 7), fill=measured)
+        draw.text((x + 10, y - 10), f"{point['speedup']:.2f}x", font=font(13), fill=INK, anchor="lb")
+        drawn.append({**point, "pixel": [x, y]})
+    legend(
+        draw,
+        (box[0], height - 50),
+        [("measured", measured, False), ("predicted A(c+s)/(Ac+s)", predicted, False), (f"ceiling A = {ceiling}", GRID_DARK, True)],
+    )
+    draw.text((box[0], height - 22), caption, font=font(13), fill=INK, anchor="lm")
+    return image, {"points": drawn, "curve": [list(pixel) for pixel in curve_pixels]}

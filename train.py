@@ -26,6 +26,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import hashlib
 import json
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -51,8 +52,9 @@ import plots
 from model import CLASSES, IMAGE_SIZE, CifarCNN, eval_transform, normalize
 
 SCRIPT = "train.py"
-# Bounds a wait on a stuck (alive but silent) peer, rank 0's CIFAR-10 download (163 MB) included; a peer
-# that dies is noticed at once by torchrun, which then stops the others.
+# Bounds a wait on a stuck (alive but silent) peer, each node's CIFAR-10 download (163 MB) included. A peer
+# that dies is noticed at once: torchrun stops the other processes of its node, and the closed gloo
+# connections stop the other nodes' processes.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 CIFAR10_ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
@@ -96,11 +98,23 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- processes and devices
+# ----------------------------------------------------------------------------- processes, nodes and devices
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process runs, as torchrun says: its global and local rank and its node (GROUP_RANK)."""
+
+    rank: int
+    local_rank: int
+    node: int
+    world_size: int
+    local_world_size: int
+    nodes: int
 
 
 def launch_environment(expected_world_size):
-    """(rank, local_rank, world_size, local_world_size) as torchrun sets them; plain python is world size 1."""
+    """This process's Place under torchrun; plain python is world size 1 and is refused."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size != expected_world_size or "RANK" not in os.environ:
         raise lab.LabError(
@@ -109,30 +123,36 @@ def launch_environment(expected_world_size):
             f"--output ...)",
             kind="ValueError",
         )
-    return (
-        int(os.environ["RANK"]),
-        int(os.environ["LOCAL_RANK"]),
-        world_size,
-        int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    return Place(
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        node=int(os.environ.get("GROUP_RANK", 0)),
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
     )
 
 
-def choose_device(requested, local_rank, local_world_size, rank):
-    """One process per GPU with NCCL, or CPU with gloo; never NCCL quietly swapped for gloo on a GPU machine."""
+def choose_device(requested, place):
+    """lab.node_device's policy for --device auto; never NCCL quietly swapped for gloo on a GPU machine."""
+    policy, visible = lab.node_device(place.local_world_size)
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-        if requested == "cpu" and rank == 0:
-            print(f"{SCRIPT}: CUDA is not available; running on CPU with the gloo backend", file=sys.stderr)
+        requested = policy
+        if requested == "cpu" and place.local_rank == 0:
+            print(
+                f"{SCRIPT}: {visible} GPU(s) visible for {place.local_world_size} process(es) on node {place.node}; "
+                f"running on CPU with the gloo backend",
+                file=sys.stderr,
+            )
     if requested == "cpu":
-        return torch.device("cpu"), "gloo"
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible < local_world_size:
+        return torch.device("cpu")
+    if visible < place.local_world_size:
         raise lab.LabError(
-            f"--device cuda needs one GPU per process: {local_world_size} processes on this node, {visible} GPU(s) "
-            f"visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU with --device cpu)"
+            f"--device cuda needs one GPU per process: {place.local_world_size} processes on this node, {visible} "
+            f"GPU(s) visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU with --device cpu)"
         )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank), "nccl"
+    torch.cuda.set_device(place.local_rank)
+    return torch.device("cuda", place.local_rank)
 
 
 def check_output(output):
@@ -152,6 +172,93 @@ def check_output(output):
         raise lab.LabError(
             f"--output {output} is not writable ({error.strerror}: {error.filename}); pass a folder you can write to"
         ) from None
+
+
+# ----------------------------------------------------------------------------- agreement between the ranks
+# Before any training collective every rank must know that the others can go on, on the same settings,
+# device and data: a rank that stopped alone would leave the others waiting in a collective until the
+# timeout, and ranks on different data would train on different things without a word. Each step below runs
+# on every rank, then the ranks exchange (over the gloo group, on every device) what happened.
+
+
+def ranks_label(rank, node):
+    return f"[rank {rank}, node {node}]"
+
+
+def agree(place, step):
+    """Run step() here; if it raised a LabError on any rank, every rank raises one for the first of them.
+
+    An error that every rank met alike stays as it is; one met by some ranks only names its rank and node.
+    """
+    try:
+        value, failure = step(), None
+    except lab.LabError as error:
+        value, failure = None, (str(error), error.kind)
+    outcomes = [None] * place.world_size
+    dist.all_gather_object(outcomes, (place.rank, place.node, failure))
+    failed = [(rank, node, failure) for rank, node, failure in outcomes if failure is not None]
+    if failed:
+        rank, node, (message, kind) = failed[0]
+        if len(failed) == place.world_size and len({failure for _, _, failure in failed}) == 1:
+            raise lab.LabError(message, kind)
+        raise lab.LabError(f"{ranks_label(rank, node)} {message}", kind)
+    return value
+
+
+def require_same(place, claims, what, remedy):
+    """Every rank's claims (a dict) must equal rank 0's; else every rank stops naming the first that differs."""
+    gathered = [None] * place.world_size
+    dist.all_gather_object(gathered, (place.rank, place.node, claims))
+    _, _, reference = gathered[0]
+    for rank, node, theirs in gathered[1:]:
+        differences = [f"{key} {theirs[key]} vs {reference[key]}" for key in reference if theirs[key] != reference[key]]
+        if differences:
+            raise lab.LabError(f"{ranks_label(rank, node)} {what} differ from rank 0's: {'; '.join(differences)}; {remedy}")
+
+
+def shared_settings(args):
+    """The options that must be the same on every node (--output and --data-dir are each node's own)."""
+    return {
+        f"--{name.replace('_', '-')}": getattr(args, name)
+        for name in ("mode", "epochs", "batch_size", "accum_steps", "seed", "expected_world_size", "partial_window", "device")
+    }
+
+
+def start_up(args, place):
+    """Settings, device, output and data, agreed by every rank before training. Returns (device, data source)."""
+
+    def settle_here():
+        device = choose_device(args.device, place)
+        if place.rank == 0:  # only the rank that writes the artifacts touches the output folder
+            check_output(args.output)
+        return device
+
+    device = agree(place, settle_here)
+    if place.nodes > 1:  # torchrun numbers the nodes itself: say where the artifacts will be
+        writer = [(socket.gethostname(), str(args.output.resolve()))]
+        dist.broadcast_object_list(writer, src=0)
+        if place.local_rank == 0:
+            host, output = writer[0]
+            print(f"{SCRIPT}: node {place.node} of {place.nodes}; rank 0 writes the artifacts on {host} into {output}", file=sys.stderr)
+    require_same(
+        place, shared_settings(args), "its train.py options", "start train.py with the same options on every node"
+    )
+    require_same(
+        place,
+        {"device": device.type},
+        "its device",
+        "give every node one GPU per process, or pass --device cpu on every node",
+    )
+    # One process per node fetches the data for its node; the node's other processes wait here for it.
+    agree(place, lambda: prepare_data(args.data_dir) if place.local_rank == 0 else None)
+    source = agree(place, lambda: load_data(args.data_dir))
+    require_same(
+        place,
+        source.summary(),
+        f"its data in {args.data_dir}/",
+        "give every node the same copy of the dataset",
+    )
+    return device, source
 
 
 @contextmanager
@@ -194,6 +301,15 @@ class DataSource:
         for array in (self.train_images, np.asarray(self.train_labels), self.test_images, np.asarray(self.test_labels)):
             digest.update(np.ascontiguousarray(array).tobytes())
         return digest.hexdigest()[:16]
+
+    def summary(self):
+        """What every rank compares with rank 0's before training."""
+        return {
+            "layout": self.layout,
+            "train-source images": len(self.train_labels),
+            "test images": len(self.test_labels),
+            "fingerprint of images and labels": self.fingerprint(),
+        }
 
 
 def decode_cifar_image(path):
@@ -240,37 +356,40 @@ def read_image_split(split_dir):
     return np.stack(images), labels
 
 
-def read_torchvision_cifar(data_dir, rank):
-    """torchvision's CIFAR-10: rank 0 downloads it if absent (checking the archive's md5), the others wait."""
-    failure = None
-    if rank == 0:
-        try:
-            for train in (True, False):
-                datasets.CIFAR10(data_dir, train=train, download=True)
-        except Exception as error:  # network, checksum or archive: every way ends in the same advice
-            reason = " ".join(f"{type(error).__name__}: {error}".split())
-            failure = (
-                f"CIFAR-10 could not be downloaded into {data_dir}/ ({reason}). Provide it without network: put the "
-                f"official archive {CIFAR10_ARCHIVE_URL} into {data_dir}/, or an image-folder tree "
-                f"{data_dir}/train/<class>/*.png and {data_dir}/test/<class>/*.png, then run again"
-            )
-    shared = [failure]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0]:
-        raise lab.LabError(shared[0])
-    train = datasets.CIFAR10(data_dir, train=True, download=False)
-    test = datasets.CIFAR10(data_dir, train=False, download=False)
-    return DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))
+def download_failure(data_dir, error):
+    reason = " ".join(f"{type(error).__name__}: {error}".split())
+    return lab.LabError(
+        f"CIFAR-10 could not be downloaded into {data_dir}/ ({reason}). Provide it without network: put the "
+        f"official archive {CIFAR10_ARCHIVE_URL} into {data_dir}/, or an image-folder tree "
+        f"{data_dir}/train/<class>/*.png and {data_dir}/test/<class>/*.png, then run again"
+    )
 
 
-def load_data(data_dir, rank):
+def prepare_data(data_dir):
+    """Run by one process per node: download torchvision's CIFAR-10 into data_dir unless the data are there
+    (torchvision checks the archive's and the files' md5 sums)."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise lab.LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
+    if lab.is_image_folder_tree(data_dir):
+        return
+    try:
+        for train in (True, False):
+            datasets.CIFAR10(data_dir, train=train, download=True)
+    except Exception as error:  # network, checksum or archive: every way ends in the same advice
+        raise download_failure(data_dir, error) from None
+
+
+def load_data(data_dir):
+    """The images of data_dir, in either layout (prepare_data has run on this node)."""
     if data_dir.exists() and not data_dir.is_dir():
         raise lab.LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
     if lab.is_image_folder_tree(data_dir):
         train_images, train_labels = read_image_split(data_dir / "train")
         test_images, test_labels = read_image_split(data_dir / "test")
         return DataSource("image-folders", train_images, train_labels, test_images, test_labels)
-    return read_torchvision_cifar(data_dir, rank)
+    train = datasets.CIFAR10(data_dir, train=True, download=False)
+    test = datasets.CIFAR10(data_dir, train=False, download=False)
+    return DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))
 
 
 class ImageArrayDataset(Dataset):
@@ -334,6 +453,7 @@ class CommAudit:
     """Per-rank running totals of what crosses between the ranks during training and evaluation."""
 
     world_size: int
+    group: object = None  # the training collectives' process group (None: the default group)
     sync_bucket_calls: int = 0
     gradient_syncs: int = 0
     allreduce_bytes: int = 0
@@ -374,7 +494,19 @@ def counting_allreduce_hook(audit, bucket):
         audit.allreduce_seconds += time.perf_counter() - started
         return future.value()[0]
 
-    return dist.all_reduce(tensor, async_op=True).get_future().then(finished)
+    return dist.all_reduce(tensor, group=audit.group, async_op=True).get_future().then(finished)
+
+
+def settle_comm_hooks():
+    """Wait until gloo's threads are done with the hook's Python callbacks, before the groups are torn down.
+
+    A gloo thread needs the GIL to drop a finished callback, and a main thread that destroys a
+    ProcessGroupGloo holds the GIL while it joins those threads: torn down right after a hooked all-reduce,
+    a process can hang at exit (seen here about one run in three). The barrier waits for every earlier
+    collective; the sleep releases the GIL so that the threads finish with their callbacks.
+    """
+    dist.barrier()
+    time.sleep(0.1)
 
 
 class AuditedDDP(DDP):
@@ -399,14 +531,15 @@ class AuditedDDP(DDP):
         audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def wrap_model(model, device, world_size):
+def wrap_model(model, device, world_size, group=None):
     ddp_model = AuditedDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=lab.BUCKET_CAP_MB,
         broadcast_buffers=True,
+        process_group=group,
     )
-    audit = CommAudit(world_size=world_size)
+    audit = CommAudit(world_size=world_size, group=group)
     ddp_model.comm_audit = audit
     ddp_model.register_comm_hook(audit, counting_allreduce_hook)
     return ddp_model, audit
@@ -479,7 +612,7 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
 
 
 @torch.no_grad()
-def evaluate(ddp_model, loader, criterion, device, autocast, progress, label):
+def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, group=None):
     """Loss, accuracy and confusion matrix (rows true, columns predicted), summed over ranks.
 
     Through the DDP wrapper, as in training: its first forward broadcasts rank 0's BatchNorm buffers, so
@@ -504,8 +637,8 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label):
         )
         images += targets.size(0)
         progress.update(done, images)
-    dist.all_reduce(totals)
-    dist.all_reduce(confusion)
+    dist.all_reduce(totals, group=group)
+    dist.all_reduce(confusion, group=group)
     count = totals[1].item()
     return totals[0].item() / count, confusion.diagonal().sum().item() / count, confusion.cpu()
 
@@ -513,10 +646,11 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label):
 # ----------------------------------------------------------------------------- one run
 
 
-def run_config(args, world_size, sizes, source, device, backend):
+def run_config(args, place, sizes, source, device, backend):
     """Everything that must match between the two runs for their comparison to mean anything."""
     return {
-        "world_size": world_size,
+        "world_size": place.world_size,
+        "nodes": place.nodes,
         "batch_size": args.batch_size,
         "accum_steps": args.accum_steps,
         "epochs": args.epochs,
@@ -536,7 +670,7 @@ def run_config(args, world_size, sizes, source, device, backend):
     }
 
 
-def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, epoch_seconds, run_id, device):
+def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, epoch_seconds, run_id, device, group):
     """The epoch's JSON line: the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
@@ -545,7 +679,7 @@ def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, af
     comm_seconds = after["comm_seconds"] - before["comm_seconds"]
     seconds = torch.tensor([epoch_seconds, comm_seconds], dtype=torch.float64, device=device)
     summed = torch.cat([train_totals, seconds])
-    dist.all_reduce(summed)
+    dist.all_reduce(summed, group=group)
     loss_sum, correct, count, epoch_seconds_sum, comm_seconds_sum = summed.tolist()
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
@@ -600,22 +734,25 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
     return report
 
 
-def run(args, rank, world_size, device, backend):
-    seed_everything(args.seed + rank)
-    source = load_data(args.data_dir, rank)
+def run(args, place):
+    device, source = start_up(args, place)
+    # gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL.
+    group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if device.type == "cuda" else None
+    backend = dist.get_backend(group)
+    seed_everything(args.seed + place.rank)
     train_loader, validation_loader, test_loader, train_sampler, majority, sizes = build_loaders(
-        source, args.batch_size, args.seed, rank, world_size, pin_memory=device.type == "cuda"
+        source, args.batch_size, args.seed, place.rank, place.world_size, pin_memory=device.type == "cuda"
     )
     plan = lab.window_plan(len(train_loader), args.accum_steps, args.partial_window)
-    config = run_config(args, world_size, sizes, source, device, backend)
+    config = run_config(args, place, sizes, source, device, backend)
 
-    ddp_model, audit = wrap_model(CifarCNN().to(device), device, world_size)
+    ddp_model, audit = wrap_model(CifarCNN().to(device), device, place.world_size, group)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
 
-    is_writer = rank == 0
+    is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
     run_id, started_at = lab.new_run_id(), lab.utc_now()
     folder = lab.RunFolder(args.output, run_id)
@@ -633,7 +770,7 @@ def run(args, rank, world_size, device, backend):
         )
         epoch_seconds = time.perf_counter() - epoch_started
         validation_loss, validation_accuracy, _ = evaluate(
-            ddp_model, validation_loader, criterion, device, autocast, progress, "validation"
+            ddp_model, validation_loader, criterion, device, autocast, progress, "validation", group
         )
         scheduler.step()
         row = epoch_row(
@@ -647,6 +784,7 @@ def run(args, rank, world_size, device, backend):
             epoch_seconds,
             run_id,
             device,
+            group,
         )
         history.append(row)
         if is_writer:
@@ -654,32 +792,34 @@ def run(args, rank, world_size, device, backend):
             folder.write(lab.HISTORY_FILE, lab.json_bytes(history))  # a killed run leaves its history so far
 
     progress.prefix = ""
-    test_loss, test_accuracy, confusion = evaluate(ddp_model, test_loader, criterion, device, autocast, progress, "test")
+    test_loss, test_accuracy, confusion = evaluate(
+        ddp_model, test_loader, criterion, device, autocast, progress, "test", group
+    )
     if is_writer:
         report = write_results(
             folder, args, config, confusion, majority, ddp_model.module, source.test_images[0], (test_loss, test_accuracy), run_id, started_at
         )
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
-    dist.barrier()
+    settle_comm_hooks()
 
 
 @record
 def main():
     args = parse_args()
-    rank = int(os.environ.get("RANK", 0))
     try:
-        rank, local_rank, world_size, local_world_size = launch_environment(args.expected_world_size)
-        device, backend = choose_device(args.device, local_rank, local_world_size, rank)
-        check_output(args.output)
+        place = launch_environment(args.expected_world_size)
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
+    try:
         with c_stdout_to_stderr():
-            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
         try:
-            run(args, rank, world_size, device, backend)
+            run(args, place)
         finally:
             dist.destroy_process_group()
     except lab.LabError as error:
-        # Every rank meets the same input error; one line from rank 0 is enough.
-        lab.exit_with(error, SCRIPT, show=rank == 0)
+        # Every rank stops on it together (see agree); one line per node, from its first process.
+        lab.exit_with(error, SCRIPT, show=place.local_rank == 0)
 
 
 if __name__ == "__main__":

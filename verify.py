@@ -96,11 +96,17 @@ def check(condition, path, message):
 
 
 def describe_unfinished(folder):
-    """Say what an interrupted run left beside `folder`, if anything."""
+    """Say what an interrupted run left beside `folder`, if anything (lab.RunFolder explains the names)."""
     notes = []
     for partial in lab.unfinished_runs(folder):
         run_id = partial.name.rsplit(".partial-", 1)[-1]
-        notes.append(f"an unfinished run {run_id} was left in {partial} (interrupted before it finished)")
+        if (partial / lab.RUN_RECORD_FILE).is_file():
+            notes.append(f"run {run_id} finished but was interrupted while being moved into place; it lies complete in {partial}")
+        else:
+            notes.append(f"an unfinished run {run_id} was left in {partial} (interrupted before it finished)")
+    for replaced in lab.replaced_runs(folder):
+        run_id = replaced.name.rsplit(".replaced-", 1)[-1]
+        notes.append(f"the run that run {run_id} replaced was left in {replaced} (interrupted while being removed)")
     return notes
 
 
@@ -108,7 +114,7 @@ def read_run_record(folder, mode):
     path = folder / lab.RUN_RECORD_FILE
     if not path.is_file():
         unfinished = describe_unfinished(folder)
-        hint = f"; {unfinished[-1]}: rerun train.py --mode {mode}" if unfinished else f"; run train.py --mode {mode}"
+        hint = f"; {'; '.join(unfinished)}: rerun train.py --mode {mode}" if unfinished else f"; run train.py --mode {mode}"
         raise AuditError(f"Lipsește artefactul obligatoriu: {path}{hint}", kind="FileNotFoundError")
     record = read_json(path)
     check(isinstance(record, dict), path, "expected a JSON object")
@@ -356,7 +362,7 @@ def main():
     for mode, record in records.items():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
         for note in describe_unfinished(artifacts / mode):
-            print(f"note: {note}; {artifacts / mode} holds the previous complete run")
+            print(f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest")
     compare_configs(records["every"], records["no_sync"], artifacts)
 
     config = records["every"]["config"]

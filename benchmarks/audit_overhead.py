@@ -81,6 +81,7 @@ def main():
                 values = samples[(name, mode)]
                 median = statistics.median(values)
                 print(f"| {mode} | {name} | {median:.3f} | {min(values):.3f}-{max(values):.3f} | {median / plain:.3f} |")
+    train.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -30,7 +30,8 @@ SMALL_RUN = ["--epochs", "2", "--batch-size", "10", "--accum-steps", "4", "--dev
 
 
 def subprocess_env(**variables):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **variables}
+    # gloo binds to loopback only: the tests talk to nothing beyond 127.0.0.1.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", **variables}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), str(REPO), env.get("PYTHONPATH")]))
     return env
 

@@ -5,7 +5,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
@@ -13,14 +12,6 @@ import lab
 import synthetic_data
 import train
 from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train
-
-
-@pytest.fixture
-def single_process_group():
-    """read_torchvision_cifar shares rank 0's download result with a broadcast: a group of one serves."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
 
 
 def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():
@@ -33,7 +24,7 @@ def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():
     assert train.split_indices(50_000, 48)[0] != train_indices
 
 
-def test_both_layouts_load_the_same_images(tmp_path, single_process_group, monkeypatch):
+def test_both_layouts_load_the_same_images(tmp_path, monkeypatch):
     (train_images, train_labels), (test_images, test_labels) = synthetic_data.write_dataset(
         tmp_path / "pickles", "torchvision", 100, 30
     )
@@ -43,8 +34,10 @@ def test_both_layouts_load_the_same_images(tmp_path, single_process_group, monke
     monkeypatch.setattr(CIFAR10, "test_list", [[name, sums[name]] for name, _ in CIFAR10.test_list])
     monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums["batches.meta"]})
 
-    pickles = train.load_data(tmp_path / "pickles", rank=0)
-    folders = train.load_data(tmp_path / "folders", rank=0)
+    for prepared in ("pickles", "folders"):
+        train.prepare_data(tmp_path / prepared)  # the data are there: nothing to download
+    pickles = train.load_data(tmp_path / "pickles")
+    folders = train.load_data(tmp_path / "folders")
     assert (pickles.layout, folders.layout) == ("torchvision", "image-folders")
     assert np.array_equal(pickles.train_images, train_images) and pickles.train_labels == train_labels
     assert np.array_equal(pickles.test_images, test_images) and pickles.test_labels == test_labels
@@ -54,13 +47,13 @@ def test_both_layouts_load_the_same_images(tmp_path, single_process_group, monke
     assert folders.train_labels == sorted(train_labels)
 
 
-def test_torchvision_refuses_files_that_fail_its_checksums(tmp_path, single_process_group, monkeypatch):
+def test_torchvision_refuses_files_that_fail_its_checksums(tmp_path, monkeypatch):
     """Why the end-to-end tests replace the expected md5 sums: without that, torchvision rejects the
     synthetic batches and tries to download the archive (here from a closed port, failing at once)."""
     synthetic_data.write_dataset(tmp_path / "pickles", "torchvision", 50, 10)
     monkeypatch.setattr(CIFAR10, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")
     with pytest.raises(lab.LabError) as caught:
-        train.load_data(tmp_path / "pickles", rank=0)
+        train.prepare_data(tmp_path / "pickles")
     message = str(caught.value)
     assert message.startswith(f"CIFAR-10 could not be downloaded into {tmp_path / 'pickles'}/")
     assert "cifar-10-python.tar.gz" in message and "train/<class>" in message
@@ -71,7 +64,7 @@ def test_a_jpeg_image_folder_tree_loads(tmp_path):
     png = next((tmp_path / "data" / "train" / "cat").iterdir())
     Image.open(png).save(png.with_suffix(".JPG"), quality=95)
     png.unlink()
-    source = train.load_data(tmp_path / "data", rank=0)
+    source = train.load_data(tmp_path / "data")
     assert source.train_images.shape == (20, 32, 32, 3)
 
 
@@ -103,19 +96,19 @@ def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, frag
     elif damage == "no_test_split":
         shutil.rmtree(root / "test")
     with pytest.raises(lab.LabError) as caught:
-        train.load_data(root, rank=0)
+        train.load_data(root)
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
 
 
 def test_a_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "data").write_text("not a folder")
     with pytest.raises(lab.LabError, match="--data-dir .* is a file; pass the folder that holds the dataset"):
-        train.load_data(tmp_path / "data", rank=0)
+        train.load_data(tmp_path / "data")
 
 
 def test_too_few_images_for_the_ranks(tmp_path):
     synthetic_data.write_dataset(tmp_path / "data", "image-folders", 10, 10)
-    source = train.load_data(tmp_path / "data", rank=0)
+    source = train.load_data(tmp_path / "data")
     source.test_images, source.test_labels = source.test_images[:1], source.test_labels[:1]
     with pytest.raises(lab.LabError, match="too few images for 2 ranks: .*'test': 1"):
         train.build_loaders(source, batch_size=4, seed=47, rank=0, world_size=2, pin_memory=False)

@@ -89,7 +89,7 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (4, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
-        notices = [line for line in result.stderr.splitlines() if "CUDA is not available; running on CPU" in line]
+        notices = [line for line in result.stderr.splitlines() if "0 GPU(s) visible for 2 process(es) on node 0; running on CPU" in line]
         assert len(notices) == (1 if device == "auto" else 0), result.stderr
     audit = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
     assert audit.returncode == 0, audit.stdout + audit.stderr
@@ -149,7 +149,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     audit = run_python("verify.py", "--artifacts", tmp_path, "--expect-from-config")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert f"every: run {previous_run}" in audit.stdout
-    assert "note: an unfinished run" in audit.stdout and "holds the previous complete run" in audit.stdout
+    assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout
 
 
 def test_a_rank_that_raises_takes_the_job_down(image_data, tmp_path):

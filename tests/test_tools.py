@@ -12,8 +12,9 @@ def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
         assert label in result.stdout
     assert "BF16 autocast on CPU works: True" in result.stdout
     # This test runs on CPU machines (CI has no GPU): the verdict must say so.
-    assert "The lab will run on CPU: 2 processes with gloo" in result.stdout
+    assert "The lab will run on CPU: 2 process(es) here with gloo" in result.stdout
     assert run_python("check_env.py", "--lab-device").stdout.strip() == "cpu"
+    assert run_python("check_env.py", "--lab-device", "--nproc-per-node", "1").stdout.strip() == "cpu"
 
 
 def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):

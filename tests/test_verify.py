@@ -149,5 +149,45 @@ def test_an_interrupted_run_is_named(runs):
     assert "an unfinished run 20260101T000000Z-abcdef" in line
 
 
+def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, monkeypatch):
+    """RunFolder.publish moves the old run aside, then the new one into place: a crash between the two
+    leaves no no_sync/ at all. verify.py names both hidden folders; the next run into no_sync removes them."""
+    output = runs / "no_sync"
+    folder = lab.RunFolder(output, "20260101T000000Z-abcdef")
+    folder.begin()
+    for name in lab.RUN_FILES:
+        shutil.copy(output / name, folder.partial / name)
+    renames = []
+
+    def crash_on_the_second_rename(source, target):
+        renames.append(target)
+        if len(renames) == 2:
+            raise KeyboardInterrupt("the machine went down")
+        return real_rename(source, target)
+
+    real_rename = lab.os.rename
+    monkeypatch.setattr(lab.os, "rename", crash_on_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        folder.publish({"run_id": folder.run_id})
+    monkeypatch.undo()
+    replaced = runs / ".no_sync.replaced-20260101T000000Z-abcdef"
+    assert not output.exists() and replaced.is_dir() and (folder.partial / lab.RUN_RECORD_FILE).is_file()
+
+    line = assert_one_line_error(audit(runs), f"Lipsește artefactul obligatoriu: {output}/run.json", code=1)
+    assert f"run 20260101T000000Z-abcdef finished but was interrupted while being moved into place; it lies complete in {folder.partial}" in line
+    assert f"the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in line
+
+    # The old run back in place, its copy half removed: verify passes and still says what is left over.
+    shutil.copytree(replaced, output)
+    shutil.rmtree(folder.partial)
+    (replaced / lab.MODEL_FILE).unlink()
+    passed = audit(runs)
+    assert passed.returncode == 0, passed.stderr
+    assert f"note: the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in passed.stdout
+
+    lab.RunFolder(output, "nextrun").begin()
+    assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [".no_sync.partial-nextrun"]
+
+
 def test_usage_errors_exit_2(runs):
     assert_one_line_error(run_python("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")

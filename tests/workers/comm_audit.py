@@ -80,6 +80,7 @@ def main():
     hook_calls = {"default": hook_calls_per_sync(None, loader), "25": hook_calls_per_sync(lab.BUCKET_CAP_MB, loader)}
     if dist.get_rank() == 0:
         print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls}), flush=True)
+    train.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -205,6 +205,7 @@ def main():
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
     if rank == 0:
         print(json.dumps(results), flush=True)
+    train.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,369 @@
+"""no_sync's speedup over a slow link between two nodes, measured against a simple model's prediction.
+
+    sudo .venv/bin/python benchmarks/bench_network.py                       # synthetic data, 4 link rates
+    sudo .venv/bin/python benchmarks/bench_network.py --data-dir /tmp/cifar10-jpeg --rates 200,50
+
+Two machines emulated on one, without touching the machine's own network: the script re-runs itself in a
+network namespace of its own (unshare --net) whose loopback, brought up with an Ethernet-sized MTU, is the
+whole test network. `tc qdisc ... tbf rate R` on that loopback limits the link to R Mbit/s; it carries both
+directions through one queue, so the emulated link is half-duplex (a real full-duplex link of rate R is up
+to twice as fast for the same all-reduce). Two torchrun nodes (one process each, one core each,
+OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only. For each rate both modes
+train --steps optimizer steps of the documented window (local batch 50, accum_steps 4) in one epoch.
+
+The model (README "Across machines"): c = compute per micro-batch (from the unlimited run), s = time per
+synchronized micro-batch in collectives at rate R (the audit's comm_seconds / gradient_syncs), A = accum_steps.
+A window costs A(c + s) under `every` and Ac + s under `no_sync`; the predicted speedup is A(c+s)/(Ac+s).
+The table, artifacts/bench/network.json and artifacts/bench/network.png hold both with the relative error.
+Everything it made (namespace, qdisc, processes, temporary files) is gone when it exits, Ctrl-C included.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import lab  # noqa: E402
+import plots  # noqa: E402
+import synthetic_data  # noqa: E402
+from model import CLASSES  # noqa: E402
+
+SCRIPT = "bench_network.py"
+DEFAULT_RATES = "unlimited,1000,200,50"
+LINK_MTU = 1500  # Ethernet's; the loopback's own 64 KiB frames would not pass a small token bucket
+RUN_TIMEOUT = 600
+
+
+def parse_rates(text):
+    rates = []
+    for part in text.split(","):
+        if part == "unlimited":
+            rates.append(None)
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = 0
+        if not rate > 0 or math.isinf(rate):
+            raise argparse.ArgumentTypeError(f"expected 'unlimited' or Mbit/s above 0, got {part!r}")
+        rates.append(rate)
+    if None not in rates:
+        raise argparse.ArgumentTypeError("include 'unlimited': the model's compute time c is measured there")
+    return rates
+
+
+def parse_args():
+    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})")
+    parser.add_argument("--steps", type=lab.positive_int, default=10, help="optimizer steps per run (default 10)")
+    parser.add_argument("--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)")
+    parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
+    parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def rate_label(rate):
+    return "unlimited" if rate is None else f"{rate:g} Mbit/s"
+
+
+# ----------------------------------------------------------------------------- outside: checks, the namespace
+
+
+def check_prerequisites():
+    if os.geteuid() != 0:
+        raise lab.LabError("needs root to make a network namespace and shape its loopback; run it with sudo")
+    for tool in ("tc", "ip", "unshare", "taskset"):
+        if shutil.which(tool) is None:
+            package = "util-linux" if tool in ("unshare", "taskset") else "iproute2"
+            raise lab.LabError(f"needs {tool}, which is not on PATH; install {package} (apt-get install {package})")
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise lab.LabError(
+            f"this machine does not allow network namespaces (unshare --net: {probe.stderr.strip() or probe.returncode}); "
+            f"run it where unshare --net works (a VM, or a container started with CAP_SYS_ADMIN)"
+        )
+
+
+def processes_in_namespace(inode):
+    """PIDs whose network namespace is `inode` (the namespace exists while one of them does)."""
+    found = []
+    for link in Path("/proc").glob("[0-9]*/ns/net"):
+        try:
+            if os.stat(link).st_ino == inode:
+                found.append(int(link.parent.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def run_in_namespace():
+    """Re-run this script inside a new network namespace; afterwards make sure nothing of it is left."""
+    with tempfile.NamedTemporaryFile(prefix="bench-network-ns-") as namespace_file:
+        command = ["unshare", "--net", "--", sys.executable, __file__, *sys.argv[1:], "--inside-namespace"]
+        child = subprocess.Popen(command, env={**os.environ, "BENCH_NAMESPACE_FILE": namespace_file.name})
+        try:
+            returncode = child.wait()
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
+            text = Path(namespace_file.name).read_text().strip()
+            if text:
+                left = processes_in_namespace(int(text))
+                for pid in left:
+                    os.kill(pid, signal.SIGKILL)
+                print(f"clean-up: {len(left)} process(es) were left in the benchmark's namespace" if left
+                      else "clean-up: no process left in the benchmark's namespace (it is gone, with its qdisc)",
+                      file=sys.stderr)  # fmt: skip
+    return returncode
+
+
+# ----------------------------------------------------------------------------- inside: the link and the runs
+
+
+def command(*args):
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+def set_link(rate):
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # absent the first time
+    if rate is not None:
+        # A bucket of about a millisecond at the rate (at least two frames) keeps bursts short; the queue
+        # holds 100 ms, so TCP sees a slow link, not drops.
+        burst = max(int(rate * 1e6 / 8 / 1000), 2 * LINK_MTU + 100)
+        command("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate:g}mbit", "burst", str(burst), "latency", "100ms")
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def subset_of(data_dir, destination, source_size, test_size):
+    """The first files of each class of an image-folder tree, linked into a new tree."""
+    if not lab.is_image_folder_tree(data_dir):
+        raise lab.LabError(f"--data-dir {data_dir} is not an image-folder tree (train/<class>/, test/<class>/); pass one")
+    for split, size in (("train", source_size), ("test", test_size)):
+        for name in CLASSES:
+            files = sorted((data_dir / split / name).iterdir())[: size // len(CLASSES)]
+            if len(files) < size // len(CLASSES):
+                raise lab.LabError(f"{data_dir / split / name} has {len(files)} images; the benchmark needs {size // len(CLASSES)}")
+            (destination / split / name).mkdir(parents=True)
+            for file in files:
+                (destination / split / name / file.name).symlink_to(file.resolve())
+
+
+class Nodes:
+    """The two torchrun launchers of one run; each in its own session, so that all of it can be killed."""
+
+    def __init__(self):
+        self.launchers = []
+
+    def run(self, train_args):
+        cores = sorted(os.sched_getaffinity(0))
+        shares = [cores[: max(len(cores) // 2, 1)], cores[len(cores) // 2 :] or cores]
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        for node, share in enumerate(shares):
+            node_command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *train_args])
+            self.launchers.append(
+                subprocess.Popen(
+                    ["taskset", "-c", ",".join(map(str, share)), *node_command],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        try:
+            for node, launcher in enumerate(self.launchers):
+                _, stderr = launcher.communicate(timeout=RUN_TIMEOUT)
+                if launcher.returncode != 0:
+                    raise lab.LabError(f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}")
+        finally:
+            self.stop()
+
+    def stop(self):
+        for launcher in self.launchers:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        self.launchers = []
+
+
+def measure(rates, steps, data_dir, workspace, nodes):
+    documented = lab.DOCUMENTED
+    batch, accum, world = documented["batch_size"], documented["accum_steps"], documented["world_size"]
+    train_images = steps * accum * batch * world
+    source_size = train_images * lab.VALIDATION_FRACTION // (lab.VALIDATION_FRACTION - 1)
+    test_size = 500
+    data = workspace / "data"
+    if data_dir is None:
+        synthetic_data.write_dataset(data, "image-folders", source_size, test_size)
+    else:
+        subset_of(data_dir, data, source_size, test_size)
+    rows = []
+    for rate in rates:
+        set_link(rate)
+        runs = {}
+        for mode in lab.MODES:
+            output = workspace / "runs" / rate_label(rate).replace(" ", "-").replace("/", "") / mode
+            started = time.monotonic()
+            nodes.run(
+                ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
+                 "--accum-steps", accum, "--device", "cpu", "--quiet"]
+            )  # fmt: skip
+            runs[mode] = json.loads((output / lab.HISTORY_FILE).read_text())[0]
+            print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        rows.append({"rate_mbit": rate, "runs": runs})
+    return rows, {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
+
+
+# ----------------------------------------------------------------------------- the model and the results
+
+
+def analyse(rows, accum):
+    unlimited = next(row for row in rows if row["rate_mbit"] is None)["runs"]
+    micro_batches = unlimited["every"]["gradient_syncs"]
+    compute = sum(run["epoch_seconds"] - run["comm_seconds"] for run in unlimited.values()) / (2 * micro_batches)
+    table = []
+    for row in rows:
+        every, no_sync = row["runs"]["every"], row["runs"]["no_sync"]
+        sync_seconds = (every["comm_seconds"] + no_sync["comm_seconds"]) / (every["gradient_syncs"] + no_sync["gradient_syncs"])
+        step = {mode: run["epoch_seconds"] / run["optimizer_steps"] for mode, run in row["runs"].items()}
+        measured = step["every"] / step["no_sync"]
+        predicted = predicted_speedup(compute, sync_seconds, accum)
+        table.append(
+            {
+                "rate_mbit": row["rate_mbit"],
+                "every_step_seconds": step["every"],
+                "no_sync_step_seconds": step["no_sync"],
+                "seconds_per_sync": sync_seconds,
+                "gradient_syncs": {mode: run["gradient_syncs"] for mode, run in row["runs"].items()},
+                "optimizer_steps": {mode: run["optimizer_steps"] for mode, run in row["runs"].items()},
+                "measured_speedup": measured,
+                "predicted_speedup": predicted,
+                "relative_error": predicted / measured - 1,
+            }
+        )
+    return compute, table
+
+
+def predicted_speedup(compute, sync_seconds, accum):
+    return accum * (compute + sync_seconds) / (accum * compute + sync_seconds)
+
+
+def link_fit(table):
+    """s(R) = s_unlimited + V / R: V, the bits a synchronized micro-batch puts through the link, by least squares."""
+    s_unlimited = next(row["seconds_per_sync"] for row in table if row["rate_mbit"] is None)
+    limited = [row for row in table if row["rate_mbit"] is not None]
+    if not limited:
+        return s_unlimited, None
+    inverse = [1 / (row["rate_mbit"] * 1e6) for row in limited]
+    extra = [row["seconds_per_sync"] - s_unlimited for row in limited]
+    return s_unlimited, sum(e * i for e, i in zip(extra, inverse)) / sum(i * i for i in inverse)
+
+
+def print_table(compute, table, accum):
+    print(f"c = {compute * 1e3:.1f} ms compute per micro-batch (unlimited run), A = {accum}")
+    print("| link | every s/step | no_sync s/step | s per sync (ms) | syncs every/no_sync | measured speedup | predicted A(c+s)/(Ac+s) | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in table:
+        syncs = row["gradient_syncs"]
+        print(
+            f"| {rate_label(row['rate_mbit'])} | {row['every_step_seconds']:.3f} | {row['no_sync_step_seconds']:.3f} | "
+            f"{row['seconds_per_sync'] * 1e3:.1f} | {syncs['every']}/{syncs['no_sync']} | {row['measured_speedup']:.2f}x | "
+            f"{row['predicted_speedup']:.2f}x | {row['relative_error'] * 100:+.1f}% |"
+        )
+
+
+def draw(compute, table, fit, accum):
+    s_unlimited, bits_per_sync = fit
+    limited = sorted(row["rate_mbit"] for row in table if row["rate_mbit"] is not None)
+    no_limit_x = math.log10(limited[-1]) + 0.5 if limited else 0
+
+    def position(rate):
+        return no_limit_x if rate is None else math.log10(rate)
+
+    points = [{"label": rate_label(row["rate_mbit"]), "x": position(row["rate_mbit"]), "speedup": row["measured_speedup"]} for row in table]
+    curve = []
+    if limited and bits_per_sync is not None:
+        low, high = math.log10(limited[0]) - 0.3, math.log10(limited[-1]) + 0.3
+        for index in range(61):
+            x = low + (high - low) * index / 60
+            curve.append((x, predicted_speedup(compute, s_unlimited + bits_per_sync / 10**x / 1e6, accum)))
+    caption = (
+        f"c = {compute * 1e3:.0f} ms per micro-batch; s = {s_unlimited * 1e3:.0f} ms + "
+        f"{(bits_per_sync or 0) / 1e6:.1f} Mbit / R per synchronized micro-batch (fitted); half-duplex tbf link"
+    )
+    return plots.speedup_image("no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption)
+
+
+def machine():
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def inside(args):
+    Path(os.environ["BENCH_NAMESPACE_FILE"]).write_text(str(os.stat("/proc/self/ns/net").st_ino))
+    command("ip", "link", "set", "lo", "mtu", str(LINK_MTU), "up")
+    nodes = Nodes()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a plain kill too
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-network-") as workspace:
+            rows, setup = measure(args.rates, args.steps, args.data_dir, Path(workspace), nodes)
+    finally:
+        nodes.stop()
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    accum = setup["accum_steps"]
+    compute, table = analyse(rows, accum)
+    fit = link_fit(table)
+    print_table(compute, table, accum)
+    result = {
+        "machine": machine(),
+        "torch": torch.__version__,
+        "link": f"tbf on a network namespace's loopback (MTU {LINK_MTU}), both directions through one queue",
+        "setup": {**setup, "steps": args.steps, "data": str(args.data_dir) if args.data_dir else "synthetic",
+                  "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
+        "compute_seconds_per_micro_batch": compute,
+        "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},
+        "rows": table,
+        "runs": rows,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    lab.write_atomic(args.out / "network.json", lab.json_bytes(result))
+    image, data = draw(compute, table, fit, accum)
+    lab.write_atomic(args.out / "network.png", lab.png_bytes(image, {"data": json.dumps(data)}))
+    print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
+
+
+def main():
+    args = parse_args()
+    try:
+        if args.inside_namespace:
+            inside(args)
+            return 0
+        check_prerequisites()
+        return run_in_namespace()
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT)
+    except KeyboardInterrupt:
+        print(f"{SCRIPT}: interrupted; cleaned up", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

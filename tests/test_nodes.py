@@ -1,0 +1,161 @@
+"""train.py started as two nodes, as two machines would start it: two torchrun launchers (--nnodes=2, one
+process each, c10d rendezvous on 127.0.0.1), each in its own working folder with its own copy of the data.
+
+A two-node run computes exactly what the one-node run of the same configuration computes; a node whose
+data or options differ, or that cannot get the data, stops both nodes within seconds with one line naming it.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+import lab
+from conftest import REPO, SMALL_RUN, assert_ok, assert_train_error, read_json, run_python, subprocess_env
+from test_faults import rank_pid
+
+NODE_FAILURE_SECONDS = 60
+TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "run_id"}
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_nodes(folders, *node_args, env=None):
+    """train.py on two nodes, node r started in folders[r] with node_args[r]."""
+    port = free_port()
+    env = env or subprocess_env()
+    launchers = []
+    for node, (folder, args) in enumerate(zip(folders, node_args)):
+        command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
+        # One core per node, as torchrun itself sets for several processes on one machine.
+        launchers.append(subprocess.Popen(command, cwd=folder, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return launchers
+
+
+def finish(launchers, timeout=300):
+    """Both launchers' results, and the seconds from now until each ended."""
+    results, seconds = [], []
+    started = time.monotonic()
+    try:
+        for launcher in launchers:
+            stdout, stderr = launcher.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr))
+            seconds.append(time.monotonic() - started)
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    return results, seconds
+
+
+def two_nodes(folders, *node_args, env=None):
+    return finish(start_nodes(folders, *node_args, env=env))
+
+
+def node_folders(tmp_path, image_data):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        shutil.copytree(image_data, folder / "data")
+    return folders
+
+
+def same_run(mode, extra=()):
+    args = ["--mode", mode, "--output", f"artifacts/{mode}", "--data-dir", "data", *SMALL_RUN, "--quiet", *extra]
+    return args, args
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory, image_data):
+    folders = node_folders(tmp_path_factory.mktemp("nodes"), image_data)
+    node_stderr = [{}, {}]
+    for mode in ("every", "no_sync"):
+        results, _ = two_nodes(folders, *same_run(mode))
+        for node, result in enumerate(results):
+            node_stderr[node][mode] = assert_ok(result).stderr
+    return folders, node_stderr
+
+
+def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_runs):
+    (node0, node1), node_stderr = two_node_runs
+    artifacts, _ = lab_runs
+    for mode in ("every", "no_sync"):
+        one_node = read_json(artifacts / mode / "history.json")
+        two_nodes_history = read_json(node0 / "artifacts" / mode / "history.json")
+        assert [{k: v for k, v in row.items() if k not in TIMING} for row in two_nodes_history] == [
+            {k: v for k, v in row.items() if k not in TIMING} for row in one_node
+        ]
+        one_config = read_json(artifacts / mode / "run.json")["config"]
+        two_config = read_json(node0 / "artifacts" / mode / "run.json")["config"]
+        assert (one_config.pop("nodes"), two_config.pop("nodes")) == (1, 2)
+        assert one_config == two_config
+        weights = [torch.load(folder / mode / "model.pt", weights_only=True)["model"] for folder in (artifacts, node0 / "artifacts")]
+        assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    # Only rank 0 writes: node 1's working folder holds nothing but its data, and node 1 says where they are.
+    assert sorted(path.name for path in node1.iterdir()) == ["data"]
+    for node, stderr in enumerate(node_stderr):
+        assert f"node {node} of 2; rank 0 writes the artifacts on {socket.gethostname()} into {node0}/artifacts/every" in stderr["every"]
+
+
+def test_verify_passes_on_a_two_node_pair(two_node_runs):
+    (node0, _), _ = two_node_runs
+    result = run_python("verify.py", "--artifacts", node0 / "artifacts", "--expect-from-config")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
+
+
+def assert_both_nodes_stop(results, seconds, *fragments):
+    for node, (result, took) in enumerate(zip(results, seconds)):
+        assert took < NODE_FAILURE_SECONDS, f"node {node} took {took:.0f} s to stop"
+        assert_train_error(result, *fragments)
+
+
+def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    cat = sorted((node1 / "data" / "train" / "cat").iterdir())[0]
+    shutil.copy(sorted((node1 / "data" / "train" / "dog").iterdir())[0], cat)  # one image differs
+    results, seconds = two_nodes([node0, node1], *same_run("every"))
+    assert_both_nodes_stop(
+        results, seconds, "train.py: error: [rank 1, node 1] its data in data/ differ from rank 0's: fingerprint of images and labels"
+    )
+    assert list((node0 / "artifacts").iterdir()) == []  # the output was checked, nothing was written
+
+
+def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    shutil.rmtree(node1 / "data")
+    env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
+    results, seconds = two_nodes([node0, node1], *same_run("every"), env=env)
+    assert_both_nodes_stop(results, seconds, "train.py: error: [rank 1, node 1] CIFAR-10 could not be downloaded into data/")
+
+
+def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    every, _ = same_run("every")
+    no_sync, _ = same_run("no_sync")
+    results, seconds = two_nodes([node0, node1], every, no_sync)
+    assert_both_nodes_stop(
+        results, seconds, "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every"
+    )
+
+
+def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    args, _ = same_run("every", ["--epochs", "50"])
+    args = [arg for arg in args if arg != "--quiet"] + ["--progress-every", "0"]
+    launchers = start_nodes([node0, node1], args, args)
+    for line in launchers[0].stderr:  # wait until training is under way
+        if "train:" in line:
+            break
+    os.kill(rank_pid(launchers[1].pid, 1), signal.SIGKILL)
+    results, seconds = finish(launchers, timeout=120)
+    assert max(seconds) < NODE_FAILURE_SECONDS, seconds
+    assert [result.returncode for result in results] == [1, 1]
+    assert "Signal 9 (SIGKILL)" in results[1].stderr  # node 1's torchrun names its killed rank
+    assert "Connection closed by peer" in results[0].stderr or "Connection reset by peer" in results[0].stderr, results[0].stderr[-3000:]
