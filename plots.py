@@ -232,9 +232,10 @@ def bar_panels(title, panels, columns=2):
 
 
 def speedup_image(title, points, curve, ceiling, caption):
-    """Speedup against link rate, the rate on a log axis. points: measured [{"label", "x", "speedup"}] with x
-    the log10 of the rate (or any position for "no limit"); curve: the model's [(x, speedup)]; ceiling: the
-    largest speedup possible (accum_steps), drawn dashed. Returns (image, data with each point's pixel)."""
+    """Speedup against link rate, the rate on a log axis. points: [{"label", "x", "speedup", "predicted"}],
+    measured and predicted at each rate, x the log10 of the rate (or any position for "no limit"); curve: the
+    model's [(x, speedup)] between the rates; ceiling: the largest speedup possible (accum_steps), dashed.
+    Returns (image, data with each point's pixel)."""
     (width, height), (box,) = panel_grid(1, 1, panel_width=720, panel_height=380)
     height += 24
     image = Image.new("RGB", (width, height), WHITE)
@@ -243,7 +244,7 @@ def speedup_image(title, points, curve, ceiling, caption):
     xs = [x for x, _ in curve] + [point["x"] for point in points]
     x_range = (min(xs) - 0.15, max(xs) + 0.15)
     axes = Axes(
-        image, box, x_range, nice_ticks(1, ceiling), "every / no_sync, seconds per optimizer step",
+        image, box, x_range, nice_ticks(min(1, *(point["speedup"] for point in points)) - 0.1, ceiling), "every / no_sync, seconds per optimizer step",
         "link rate (Mbit/s, log scale)", "speedup", x_ticks=[(point["x"], point["label"]) for point in points],
     )  # fmt: skip
     dashed_line(draw, (axes.left, axes.y(ceiling)), (axes.right, axes.y(ceiling)), GRID_DARK, 2)
@@ -254,9 +255,11 @@ def speedup_image(title, points, curve, ceiling, caption):
     drawn = []
     for point in points:
         x, y = axes.x(point["x"]), axes.y(point["speedup"])
+        predicted_y = axes.y(point["predicted"])
         draw.ellipse((x - 7, y - 7, x + 7, y + 7), fill=measured)
+        draw.ellipse((x - 4, predicted_y - 4, x + 4, predicted_y + 4), fill=predicted)
         draw.text((x + 10, y - 10), f"{point['speedup']:.2f}x", font=font(13), fill=INK, anchor="lb")
-        drawn.append({**point, "pixel": [x, y]})
+        drawn.append({**point, "pixel": [x, y], "predicted_pixel": [x, predicted_y]})
     legend(
         draw,
         (box[0], height - 50),

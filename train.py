@@ -134,7 +134,7 @@ def launch_environment(expected_world_size):
 
 
 def choose_device(requested, place):
-    """lab.node_device's policy for --device auto; never NCCL quietly swapped for gloo on a GPU machine."""
+    """'cuda' or 'cpu': lab.node_device's policy for --device auto; never NCCL quietly swapped for gloo."""
     policy, visible = lab.node_device(place.local_world_size)
     if requested == "auto":
         requested = policy
@@ -144,15 +144,12 @@ def choose_device(requested, place):
                 f"running on CPU with the gloo backend",
                 file=sys.stderr,
             )
-    if requested == "cpu":
-        return torch.device("cpu")
-    if visible < place.local_world_size:
+    if requested == "cuda" and visible < place.local_world_size:
         raise lab.LabError(
             f"--device cuda needs one GPU per process: {place.local_world_size} processes on this node, {visible} "
             f"GPU(s) visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU with --device cpu)"
         )
-    torch.cuda.set_device(place.local_rank)
-    return torch.device("cuda", place.local_rank)
+    return requested
 
 
 def check_output(output):
@@ -213,7 +210,7 @@ def require_same(place, claims, what, remedy):
     for rank, node, theirs in gathered[1:]:
         differences = [f"{key} {theirs[key]} vs {reference[key]}" for key in reference if theirs[key] != reference[key]]
         if differences:
-            raise lab.LabError(f"{ranks_label(rank, node)} {what} differ from rank 0's: {'; '.join(differences)}; {remedy}")
+            raise lab.LabError(f"{ranks_label(rank, node)} {what} from rank 0's: {'; '.join(differences)}; {remedy}")
 
 
 def shared_settings(args):
@@ -228,12 +225,12 @@ def start_up(args, place):
     """Settings, device, output and data, agreed by every rank before training. Returns (device, data source)."""
 
     def settle_here():
-        device = choose_device(args.device, place)
+        device_type = choose_device(args.device, place)
         if place.rank == 0:  # only the rank that writes the artifacts touches the output folder
             check_output(args.output)
-        return device
+        return device_type
 
-    device = agree(place, settle_here)
+    device_type = agree(place, settle_here)
     if place.nodes > 1:  # torchrun numbers the nodes itself: say where the artifacts will be
         writer = [(socket.gethostname(), str(args.output.resolve()))]
         dist.broadcast_object_list(writer, src=0)
@@ -241,21 +238,24 @@ def start_up(args, place):
             host, output = writer[0]
             print(f"{SCRIPT}: node {place.node} of {place.nodes}; rank 0 writes the artifacts on {host} into {output}", file=sys.stderr)
     require_same(
-        place, shared_settings(args), "its train.py options", "start train.py with the same options on every node"
+        place, shared_settings(args), "its train.py options differ", "start train.py with the same options on every node"
     )
     require_same(
         place,
-        {"device": device.type},
-        "its device",
+        {"device": device_type},
+        "its device differs",
         "give every node one GPU per process, or pass --device cpu on every node",
     )
+    if device_type == "cuda":
+        torch.cuda.set_device(place.local_rank)
+    device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
     # One process per node fetches the data for its node; the node's other processes wait here for it.
     agree(place, lambda: prepare_data(args.data_dir) if place.local_rank == 0 else None)
     source = agree(place, lambda: load_data(args.data_dir))
     require_same(
         place,
         source.summary(),
-        f"its data in {args.data_dir}/",
+        f"its data in {args.data_dir}/ differ",
         "give every node the same copy of the dataset",
     )
     return device, source

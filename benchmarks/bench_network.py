@@ -9,7 +9,8 @@ whole test network. `tc qdisc ... tbf rate R` on that loopback limits the link t
 directions through one queue, so the emulated link is half-duplex (a real full-duplex link of rate R is up
 to twice as fast for the same all-reduce). Two torchrun nodes (one process each, one core each,
 OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only. For each rate both modes
-train --steps optimizer steps of the documented window (local batch 50, accum_steps 4) in one epoch.
+train --steps optimizer steps of the documented window (local batch 50, accum_steps 4) in one epoch, --repeats
+times in turn (every, no_sync, no_sync, every, ...), and the mean times are compared.
 
 The model (README "Across machines"): c = compute per micro-batch (from the unlimited run), s = time per
 synchronized micro-batch in collectives at rate R (the audit's comm_seconds / gradient_syncs), A = accum_steps.
@@ -44,6 +45,7 @@ SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
 LINK_MTU = 1500  # Ethernet's; the loopback's own 64 KiB frames would not pass a small token bucket
 RUN_TIMEOUT = 600
+SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table
 
 
 def parse_rates(text):
@@ -67,7 +69,8 @@ def parse_rates(text):
 def parse_args():
     parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})")
-    parser.add_argument("--steps", type=lab.positive_int, default=10, help="optimizer steps per run (default 10)")
+    parser.add_argument("--steps", type=lab.positive_int, default=12, help="optimizer steps per run (default 12)")
+    parser.add_argument("--repeats", type=lab.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)")
     parser.add_argument("--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)")
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
@@ -205,7 +208,21 @@ class Nodes:
         self.launchers = []
 
 
-def measure(rates, steps, data_dir, workspace, nodes):
+def mean_run(samples):
+    """One mode at one rate: the mean times of its runs, whose counts must agree."""
+    counts = {(run["gradient_syncs"], run["optimizer_steps"]) for run in samples}
+    if len(counts) != 1:
+        raise lab.LabError(f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here")
+    return {
+        "epoch_seconds": sum(run["epoch_seconds"] for run in samples) / len(samples),
+        "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
+        "gradient_syncs": samples[0]["gradient_syncs"],
+        "optimizer_steps": samples[0]["optimizer_steps"],
+        "samples": [{key: run[key] for key in ("epoch_seconds", "comm_seconds")} for run in samples],
+    }
+
+
+def measure(rates, steps, repeats, data_dir, workspace, nodes):
     documented = lab.DOCUMENTED
     batch, accum, world = documented["batch_size"], documented["accum_steps"], documented["world_size"]
     train_images = steps * accum * batch * world
@@ -219,17 +236,19 @@ def measure(rates, steps, data_dir, workspace, nodes):
     rows = []
     for rate in rates:
         set_link(rate)
-        runs = {}
-        for mode in lab.MODES:
-            output = workspace / "runs" / rate_label(rate).replace(" ", "-").replace("/", "") / mode
+        samples = {mode: [] for mode in lab.MODES}
+        # every, no_sync, no_sync, every, ...: a drift of the machine's speed during the pairs cancels out.
+        order = [mode for repeat in range(repeats) for mode in (lab.MODES if repeat % 2 == 0 else lab.MODES[::-1])]
+        for index, mode in enumerate(order):
+            output = workspace / "runs" / f"{rate or 0:g}" / f"{mode}-{index}"
             started = time.monotonic()
             nodes.run(
                 ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
                  "--accum-steps", accum, "--device", "cpu", "--quiet"]
             )  # fmt: skip
-            runs[mode] = json.loads((output / lab.HISTORY_FILE).read_text())[0]
+            samples[mode].append(json.loads((output / lab.HISTORY_FILE).read_text())[0])
             print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows.append({"rate_mbit": rate, "runs": runs})
+        rows.append({"rate_mbit": rate, "runs": {mode: mean_run(runs) for mode, runs in samples.items()}})
     return rows, {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
 
 
@@ -291,6 +310,15 @@ def print_table(compute, table, accum):
         )
 
 
+def print_model_table(table, compute, accum):
+    """The model alone, by s/c: when no_sync pays, beside where the measured rates fall."""
+    print(f"predicted speedup A(1+r)/(A+r) by r = s/c (A = {accum}); measured rates: "
+          + ", ".join(f"{rate_label(row['rate_mbit'])} r = {row['seconds_per_sync'] / compute:.2f}" for row in table))
+    print("| s/c | " + " | ".join(f"{ratio:g}" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
+    print("|---|" + "---:|" * len(SYNC_TO_COMPUTE_RATIOS))
+    print("| predicted | " + " | ".join(f"{predicted_speedup(1, ratio, accum):.2f}x" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
+
+
 def draw(compute, table, fit, accum):
     s_unlimited, bits_per_sync = fit
     limited = sorted(row["rate_mbit"] for row in table if row["rate_mbit"] is not None)
@@ -299,7 +327,10 @@ def draw(compute, table, fit, accum):
     def position(rate):
         return no_limit_x if rate is None else math.log10(rate)
 
-    points = [{"label": rate_label(row["rate_mbit"]), "x": position(row["rate_mbit"]), "speedup": row["measured_speedup"]} for row in table]
+    points = [
+        {"label": rate_label(row["rate_mbit"]), "x": position(row["rate_mbit"]), "speedup": row["measured_speedup"], "predicted": row["predicted_speedup"]}
+        for row in table
+    ]
     curve = []
     if limited and bits_per_sync is not None:
         low, high = math.log10(limited[0]) - 0.3, math.log10(limited[-1]) + 0.3
@@ -324,7 +355,7 @@ def inside(args):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a plain kill too
     try:
         with tempfile.TemporaryDirectory(prefix="bench-network-") as workspace:
-            rows, setup = measure(args.rates, args.steps, args.data_dir, Path(workspace), nodes)
+            rows, setup = measure(args.rates, args.steps, args.repeats, args.data_dir, Path(workspace), nodes)
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
@@ -332,11 +363,13 @@ def inside(args):
     compute, table = analyse(rows, accum)
     fit = link_fit(table)
     print_table(compute, table, accum)
+    print()
+    print_model_table(table, compute, accum)
     result = {
         "machine": machine(),
         "torch": torch.__version__,
         "link": f"tbf on a network namespace's loopback (MTU {LINK_MTU}), both directions through one queue",
-        "setup": {**setup, "steps": args.steps, "data": str(args.data_dir) if args.data_dir else "synthetic",
+        "setup": {**setup, "steps": args.steps, "repeats": args.repeats, "data": str(args.data_dir) if args.data_dir else "synthetic",
                   "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
         "compute_seconds_per_micro_batch": compute,
         "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},

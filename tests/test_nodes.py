@@ -159,3 +159,13 @@ def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_d
     assert [result.returncode for result in results] == [1, 1]
     assert "Signal 9 (SIGKILL)" in results[1].stderr  # node 1's torchrun names its killed rank
     assert "Connection closed by peer" in results[0].stderr or "Connection reset by peer" in results[0].stderr, results[0].stderr[-3000:]
+
+
+def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_data):
+    """--device auto on node 1 with a GPU for its one process (faked: CI has none) and on node 0 without."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    args, _ = same_run("every", ["--device", "auto"])  # the last --device counts
+    results, seconds = two_nodes([node0, node1], args, args, env=subprocess_env(LAB_TEST_FAKE_GPUS="1:1"))
+    assert_both_nodes_stop(
+        results, seconds, "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process"
+    )

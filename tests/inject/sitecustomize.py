@@ -9,6 +9,8 @@ LAB_TEST_CIFAR_URL: where torchvision downloads CIFAR-10 from (the tests use a c
 LAB_TEST_RAISE_AT_STEP ("<rank>:<step>"): that rank raises torch.OutOfMemoryError in its <step>th optimizer
   step, as a rank out of memory would.
 LAB_TEST_LOSE_GRADIENTS=1: the optimizer finds no gradients (a pipeline that loses them); it updates nothing.
+LAB_TEST_FAKE_GPUS ("<node>:<count>"): on that node (torchrun's GROUP_RANK) torch reports <count> visible GPUs,
+  as on a node that has them; only the device policy's question is answered, no CUDA call would work.
 """
 import json
 import os
@@ -52,3 +54,11 @@ if os.environ.get("LAB_TEST_LOSE_GRADIENTS"):
         return original_adamw_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = step_without_gradients
+
+if os.environ.get("LAB_TEST_FAKE_GPUS"):
+    fake_node, fake_count = map(int, os.environ["LAB_TEST_FAKE_GPUS"].split(":"))
+    if int(os.environ.get("GROUP_RANK", -1)) == fake_node:
+        import torch
+
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: fake_count

@@ -1,0 +1,63 @@
+"""benchmarks/bench_network.py: its model's arithmetic, its refusals, and one small real run (two torchrun
+nodes in a network namespace of its own, a 50 Mbit/s link) that leaves nothing behind."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_python
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_network  # noqa: E402
+
+
+def history_row(epoch_seconds, comm_seconds, syncs, steps):
+    return {"epoch_seconds": epoch_seconds, "comm_seconds": comm_seconds, "gradient_syncs": syncs, "optimizer_steps": steps}
+
+
+def test_the_model_predicts_from_compute_and_sync_time():
+    # c = 0.25 s per micro-batch; s = 0.01 s unlimited and 0.25 s on the slow link; 8 micro-batches, 2 steps.
+    rows = [
+        {"rate_mbit": None, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
+        {"rate_mbit": 50, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
+    ]
+    compute, table = bench_network.analyse(rows, accum=4)
+    assert compute == pytest.approx(0.25)
+    slow = table[1]
+    assert slow["seconds_per_sync"] == pytest.approx(0.25)
+    assert slow["measured_speedup"] == pytest.approx(4.0 / 2.5)
+    assert slow["predicted_speedup"] == pytest.approx(4 * 0.5 / (4 * 0.25 + 0.25))  # A(c+s)/(Ac+s) = 1.6
+    assert slow["relative_error"] == pytest.approx(1.6 / 1.6 - 1)
+    s_unlimited, bits = bench_network.link_fit(table)
+    assert s_unlimited == pytest.approx(0.01) and bits == pytest.approx(0.24 * 50e6)
+
+
+@pytest.mark.parametrize(
+    "rates, message",
+    [("200,50", "include 'unlimited'"), ("unlimited,fast", "expected 'unlimited' or Mbit/s above 0, got 'fast'"), ("unlimited,-5", "got '-5'")],
+)
+def test_bad_rates_get_one_line(rates, message):
+    assert_one_line_error(run_python("benchmarks/bench_network.py", "--rates", rates), "bench_network.py: error: argument --rates:", message)
+
+
+def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
+    """As root (CI runs as root), one optimizer step per mode at no limit and at 50 Mbit/s; as another
+    user, the one-line refusal."""
+    result = run_python("benchmarks/bench_network.py", "--rates", "unlimited,50", "--steps", "1", "--repeats", "1", "--out", tmp_path, timeout=600)
+    if os.geteuid() != 0:
+        assert_one_line_error(result, "needs root to make a network namespace")
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "clean-up: no process left in the benchmark's namespace" in result.stderr
+    record = json.loads((tmp_path / "network.json").read_text())
+    assert [row["rate_mbit"] for row in record["rows"]] == [None, 50]
+    for row in record["rows"]:
+        assert row["gradient_syncs"] == {"every": 4, "no_sync": 1} and row["optimizer_steps"] == {"every": 1, "no_sync": 1}
+    slow = record["rows"][1]
+    # 50 Mbit/s moves the 2.2 MB of gradients in tenths of a second: far more than with no limit.
+    assert slow["seconds_per_sync"] > 5 * record["rows"][0]["seconds_per_sync"]
+    assert slow["measured_speedup"] > 1.3
+    assert Path(tmp_path / "network.png").stat().st_size > 0
+    assert not [line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line]  # its workspace
