@@ -56,6 +56,9 @@ SCRIPT = "train.py"
 # that dies is noticed at once: torchrun stops the other processes of its node, and the closed gloo
 # connections stop the other nodes' processes.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# The model and its inputs in NHWC: the convolutions run 1.2x faster with BF16 autocast on CPU (README,
+# "Across machines"); the counts, the split and the equivalence tests are unchanged.
+MEMORY_FORMAT = torch.channels_last
 CIFAR10_ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 train_transform = transforms.Compose(
@@ -586,7 +589,7 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
     optimizer_steps = images = 0
     progress.start("train", len(plan), "micro-batches")
     for done, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True), start=1):
-        inputs = inputs.to(device, non_blocking=True)
+        inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
         targets = targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
@@ -624,7 +627,7 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
     progress.start(label, len(loader), "batches")
     images = 0
     for done, (inputs, targets) in enumerate(loader, start=1):
-        inputs = inputs.to(device, non_blocking=True)
+        inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
         targets = targets.to(device, non_blocking=True)
         with autocast():
             logits = ddp_model(inputs)
@@ -746,7 +749,7 @@ def run(args, place):
     plan = lab.window_plan(len(train_loader), args.accum_steps, args.partial_window)
     config = run_config(args, place, sizes, source, device, backend)
 
-    ddp_model, audit = wrap_model(CifarCNN().to(device), device, place.world_size, group)
+    ddp_model, audit = wrap_model(CifarCNN().to(device, memory_format=MEMORY_FORMAT), device, place.world_size, group)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)

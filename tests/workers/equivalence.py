@@ -59,7 +59,7 @@ def recorder(model, optimizer):
 
 
 def new_model(initial_state, dtype):
-    model = CifarCNN().to(dtype)
+    model = CifarCNN().to(dtype, memory_format=train.MEMORY_FORMAT)  # as train.py holds it
     model.load_state_dict(initial_state)
     return model
 
@@ -104,6 +104,7 @@ def reference_run(initial_state, data, world_size, dtype, summation):
 
     def gradient(rank, micro_batch, divisor):
         inputs, targets = data[rank_batches[rank][micro_batch]]
+        inputs = inputs.contiguous(memory_format=train.MEMORY_FORMAT)  # as train.train_epoch passes them
         return torch.autograd.grad(criterion(model(inputs), targets) / divisor, parameters)
 
     def average(rank_sums):  # the counting hook: each rank's buffer divided by world size, then summed
