@@ -4,6 +4,11 @@
     torchrun --standalone --nnodes=1 --nproc-per-node=2 train.py --mode no_sync --output artifacts/no_sync
     python verify.py
 
+Two machines, one process each: the same command on both (README "Across machines"):
+
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST_A:29500
+             --rdzv-id=lab-every train.py --mode every --output artifacts/every
+
 `every` all-reduces the gradients after every micro-batch and steps once per window of --accum-steps;
 `no_sync` runs the forward AND backward of the first accum_steps - 1 micro-batches of each window inside
 ddp_model.no_sync(), so DDP all-reduces once per window. A communication hook counts the syncs, their bytes
