@@ -2,6 +2,9 @@
 import shutil
 import subprocess
 
+import torch
+
+import lab
 from conftest import REPO, assert_one_line_error, run_python
 
 
@@ -34,3 +37,13 @@ def test_make_clean_removes_only_the_labs_outputs(tmp_path):
         assert not (lab_copy / made).exists()
     assert (lab_copy / "train.py").is_file() and (lab_copy / "README.md").is_file()
     assert (tmp_path / "artifacts").is_dir()
+
+
+def test_one_device_policy_per_node(monkeypatch):
+    """lab.node_device, used by train.py --device auto and check_env.py: CUDA only with a GPU per process."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert lab.node_device(1) == ("cuda", 1)  # 2 nodes x 1 GPU: each node runs one process on its GPU
+    assert lab.node_device(2) == ("cpu", 1)  # one GPU for two processes: CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lab.node_device(1) == ("cpu", 0)
