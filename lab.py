@@ -89,9 +89,12 @@ def exit_with(error, script, show=True):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors: the problem and where to look, without the usage block."""
 
+    def usage_error(self, message):
+        return LabError(f"{message} (see: python {self.prog} --help)")
+
     def error(self, message):
-        # Under torchrun every process parses the same options: one line per node is enough.
-        exit_with(LabError(f"{message} (see: python {self.prog} --help)"), self.prog, show=os.environ.get("LOCAL_RANK", "0") == "0")
+        # A script under torchrun (the benchmarks) parses the same options in every process: one line per node.
+        exit_with(self.usage_error(message), self.prog, show=os.environ.get("LOCAL_RANK", "0") == "0")
 
 
 def positive_int(text):

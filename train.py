@@ -76,9 +76,17 @@ train_transform = transforms.Compose(
 )
 
 
+class ArgumentParser(lab.ArgumentParser):
+    """Raises its one-line error instead of exiting: under torchrun a node whose options do not parse must
+    first tell the other nodes, or they would wait for it in the first collective until the timeout."""
+
+    def error(self, message):
+        raise self.usage_error(message)
+
+
 def parse_args(argv=None):
     documented = lab.DOCUMENTED
-    parser = lab.ArgumentParser(prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode.")
+    parser = ArgumentParser(prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode.")
     parser.add_argument("--mode", choices=lab.MODES, required=True)
     parser.add_argument("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
     parser.add_argument("--epochs", type=lab.positive_int, default=documented["epochs"])
@@ -122,9 +130,9 @@ class Place:
 
 
 def launch_environment(expected_world_size):
-    """This process's Place under torchrun; plain python is world size 1 and is refused."""
+    """This process's Place under torchrun; plain python is world size 1 and is refused. None: any size."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if world_size != expected_world_size or "RANK" not in os.environ:
+    if world_size != (expected_world_size or world_size) or "RANK" not in os.environ:
         raise lab.LabError(
             f"expected world_size={expected_world_size}, got {world_size} (start it with torchrun: "
             f"torchrun --standalone --nnodes=1 --nproc-per-node={expected_world_size} train.py --mode ... "
@@ -811,17 +819,26 @@ def run(args, place):
     settle_comm_hooks()
 
 
+def raise_if(error):
+    if error is not None:
+        raise error
+
+
 @record
 def main():
-    args = parse_args()
     try:
-        place = launch_environment(args.expected_world_size)
+        args, usage_error = parse_args(), None
     except lab.LabError as error:
-        lab.exit_with(error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
+        args, usage_error = None, error
+    try:
+        place = launch_environment(args.expected_world_size if args else None)
+    except lab.LabError as error:
+        lab.exit_with(usage_error or error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
     try:
         with c_stdout_to_stderr():
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
         try:
+            agree(place, lambda: raise_if(usage_error))  # the options parsed on every node
             run(args, place)
         finally:
             dist.destroy_process_group()

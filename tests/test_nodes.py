@@ -169,3 +169,12 @@ def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_dat
     assert_both_nodes_stop(
         results, seconds, "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process"
     )
+
+
+def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    good, _ = same_run("every")
+    results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
+    assert_both_nodes_stop(
+        results, seconds, "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)"
+    )
