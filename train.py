@@ -18,8 +18,10 @@ Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, real CIFAR-10 as JPEG, do
 totals over 5 epochs; README.md "Measured results" has the whole table):
 
     | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer broadcasts | epoch s | test accuracy |
-    | every   | 100         | 400         | 4468.3        | 4002              | 360.0   | 0.7103        |
-    | no_sync | 100         | 100         | 1117.1        | 1002              | 334.3   | 0.7076        |
+    | every   | 100         | 400         | 4468.3        | 4002              | 500.8   | 0.7134        |
+    | no_sync | 100         | 100         | 1117.1        | 1002              | 430.9   | 0.7124        |
+
+(channels_last; epoch seconds vary with the shared machine, 334-500 s over five runs per mode.)
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """
