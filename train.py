@@ -21,7 +21,7 @@ totals over 5 epochs; README.md "Measured results" has the whole table):
     | every   | 100         | 400         | 4468.3        | 4002              | 500.8   | 0.7134        |
     | no_sync | 100         | 100         | 1117.1        | 1002              | 430.9   | 0.7124        |
 
-(channels_last; epoch seconds vary with the shared machine, 334-500 s over five runs per mode.)
+(channels_last; whole-run epoch seconds vary with the shared machine: 334 to 501 s in four runs per mode.)
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """
