@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -122,6 +123,13 @@ def node_device(local_world_size):
     (torchrun's LOCAL_WORLD_SIZE), else CPU. Returns the device type and the number of visible GPUs."""
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ("cuda" if visible >= local_world_size else "cpu"), visible
+
+
+def free_loopback_port():
+    """A TCP port free on 127.0.0.1 now, for the rendezvous of a run emulated on one machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def loopback_node_command(node, nodes, port, script_args):

@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -149,12 +148,6 @@ def set_link(rate):
         command("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate:g}mbit", "burst", str(burst), "latency", "100ms")
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def subset_of(data_dir, destination, source_size, test_size):
     """The first files of each class of an image-folder tree, linked into a new tree."""
     if not lab.is_image_folder_tree(data_dir):
@@ -178,7 +171,7 @@ class Nodes:
     def run(self, train_args):
         cores = sorted(os.sched_getaffinity(0))
         shares = [cores[: max(len(cores) // 2, 1)], cores[len(cores) // 2 :] or cores]
-        port = free_port()
+        port = lab.free_loopback_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
         for node, share in enumerate(shares):
             node_command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *train_args])

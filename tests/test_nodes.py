@@ -22,15 +22,9 @@ NODE_FAILURE_SECONDS = 60
 TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "run_id"}
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_nodes(folders, *node_args, env=None):
     """train.py on two nodes, node r started in folders[r] with node_args[r]."""
-    port = free_port()
+    port = lab.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
     for node, (folder, args) in enumerate(zip(folders, node_args)):
