@@ -300,11 +300,15 @@ def write_atomic(path, data):
     """Write bytes to path so that a reader sees the old file or the whole new one, never a part."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk or an interrupt leaves nothing half-written behind
+        raise
 
 
 def json_bytes(value):

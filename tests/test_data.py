@@ -8,20 +8,20 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
+import data
 import lab
 import synthetic_data
-import train
 from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train
 
 
 def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():
-    train_indices, validation_indices = train.split_indices(50_000, 47)
+    train_indices, validation_indices = data.split_indices(50_000, 47)
     permutation = torch.randperm(50_000, generator=torch.Generator().manual_seed(47)).tolist()
     assert (train_indices, validation_indices) == (permutation[:40_000], permutation[40_000:])
-    assert train.split_indices(50_000, 47) == (train_indices, validation_indices)
+    assert data.split_indices(50_000, 47) == (train_indices, validation_indices)
     assert not set(train_indices) & set(validation_indices)
     assert sorted(train_indices + validation_indices) == list(range(50_000))
-    assert train.split_indices(50_000, 48)[0] != train_indices
+    assert data.split_indices(50_000, 48)[0] != train_indices
 
 
 def test_both_layouts_load_the_same_images(tmp_path, monkeypatch):
@@ -35,9 +35,9 @@ def test_both_layouts_load_the_same_images(tmp_path, monkeypatch):
     monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums["batches.meta"]})
 
     for prepared in ("pickles", "folders"):
-        train.prepare_data(tmp_path / prepared)  # the data are there: nothing to download
-    pickles = train.load_data(tmp_path / "pickles")
-    folders = train.load_data(tmp_path / "folders")
+        data.prepare_data(tmp_path / prepared)  # the data are there: nothing to download
+    pickles = data.load_data(tmp_path / "pickles")
+    folders = data.load_data(tmp_path / "folders")
     assert (pickles.layout, folders.layout) == ("torchvision", "image-folders")
     assert np.array_equal(pickles.train_images, train_images) and pickles.train_labels == train_labels
     assert np.array_equal(pickles.test_images, test_images) and pickles.test_labels == test_labels
@@ -53,7 +53,7 @@ def test_torchvision_refuses_files_that_fail_its_checksums(tmp_path, monkeypatch
     synthetic_data.write_dataset(tmp_path / "pickles", "torchvision", 50, 10)
     monkeypatch.setattr(CIFAR10, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")
     with pytest.raises(lab.LabError) as caught:
-        train.prepare_data(tmp_path / "pickles")
+        data.prepare_data(tmp_path / "pickles")
     message = str(caught.value)
     assert message.startswith(f"CIFAR-10 could not be downloaded into {tmp_path / 'pickles'}/")
     assert "cifar-10-python.tar.gz" in message and "train/<class>" in message
@@ -64,7 +64,7 @@ def test_a_jpeg_image_folder_tree_loads(tmp_path):
     png = next((tmp_path / "data" / "train" / "cat").iterdir())
     Image.open(png).save(png.with_suffix(".JPG"), quality=95)
     png.unlink()
-    source = train.load_data(tmp_path / "data")
+    source = data.load_data(tmp_path / "data")
     assert source.train_images.shape == (20, 32, 32, 3)
 
 
@@ -96,22 +96,22 @@ def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, frag
     elif damage == "no_test_split":
         shutil.rmtree(root / "test")
     with pytest.raises(lab.LabError) as caught:
-        train.load_data(root)
+        data.load_data(root)
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
 
 
 def test_a_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "data").write_text("not a folder")
     with pytest.raises(lab.LabError, match="--data-dir .* is a file; pass the folder that holds the dataset"):
-        train.load_data(tmp_path / "data")
+        data.load_data(tmp_path / "data")
 
 
 def test_too_few_images_for_the_ranks(tmp_path):
     synthetic_data.write_dataset(tmp_path / "data", "image-folders", 10, 10)
-    source = train.load_data(tmp_path / "data")
+    source = data.load_data(tmp_path / "data")
     source.test_images, source.test_labels = source.test_images[:1], source.test_labels[:1]
     with pytest.raises(lab.LabError, match="too few images for 2 ranks: .*'test': 1"):
-        train.build_loaders(source, batch_size=4, seed=47, rank=0, world_size=2, pin_memory=False)
+        data.make_split(source, seed=47, rank=0, world_size=2)
 
 
 def test_train_py_reports_a_missing_class_in_one_line(tmp_path):
