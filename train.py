@@ -566,17 +566,17 @@ def run_config(args, place, sizes, source, device, backend):
     }
 
 
-def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, epoch_seconds, run_id, device, group):
+def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, phase_seconds, run_id, device, group):
     """The epoch's JSON line: the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
     rank's (every rank takes part in every collective, so they are the same on all).
     """
     comm_seconds = after["comm_seconds"] - before["comm_seconds"]
-    seconds = torch.tensor([epoch_seconds, comm_seconds], dtype=torch.float64, device=device)
+    seconds = torch.tensor([*phase_seconds, comm_seconds], dtype=torch.float64, device=device)
     summed = torch.cat([train_totals, seconds])
     dist.all_reduce(summed, group=group)
-    loss_sum, correct, count, epoch_seconds_sum, comm_seconds_sum = summed.tolist()
+    loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, comm_seconds_sum = summed.tolist()
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
     return {
@@ -592,6 +592,7 @@ def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, af
         "comm_seconds": comm_seconds_sum / world_size,
         "epoch_seconds": epoch_seconds_sum / world_size,
         "train_images_per_second": count / (epoch_seconds_sum / world_size),
+        "validation_seconds": validation_seconds_sum / world_size,
         "run_id": run_id,
     }
 
@@ -630,6 +631,12 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
     return report
 
 
+def make_optimizer(parameters, device):
+    """The document's AdamW; on GPU one fused kernel updates every parameter (on CPU the step is about 1 ms
+    of a window's 850, whichever implementation)."""
+    return torch.optim.AdamW(parameters, lr=3e-3, weight_decay=1e-4, fused=True if device.type == "cuda" else None)
+
+
 def run(args, place):
     device, source = start_up(args, place)
     # gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL.
@@ -646,8 +653,7 @@ def run(args, place):
 
     ddp_model, audit = wrap_model(CifarCNN().to(device, memory_format=MEMORY_FORMAT), device, place.world_size, group)
     criterion = nn.CrossEntropyLoss()
-    # On GPU one fused kernel updates every parameter; on CPU the loop-free default costs 1 ms a window.
-    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=1e-4, fused=True if device.type == "cuda" else None)
+    optimizer = make_optimizer(ddp_model.parameters(), device)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
 
@@ -667,10 +673,12 @@ def run(args, place):
         train_totals, optimizer_steps = train_epoch(
             ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress
         )
-        epoch_seconds = read_clock(device) - epoch_started
+        validation_started = read_clock(device)
+        epoch_seconds = validation_started - epoch_started
         validation_loss, validation_accuracy, _ = evaluate(
             ddp_model, loaders.validation, criterion, device, autocast, progress, "validation", group
         )
+        validation_seconds = read_clock(device) - validation_started
         scheduler.step()
         row = epoch_row(
             epoch,
@@ -680,7 +688,7 @@ def run(args, place):
             (validation_loss, validation_accuracy),
             before,
             audit.totals(),
-            epoch_seconds,
+            (epoch_seconds, validation_seconds),
             run_id,
             device,
             group,

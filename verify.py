@@ -41,6 +41,7 @@ ROW_NUMBERS = (
     "comm_seconds",
     "epoch_seconds",
     "train_images_per_second",
+    "validation_seconds",
 )
 
 

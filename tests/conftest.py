@@ -27,11 +27,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nn
 # local batch 10, accum_steps 4, 2 epochs: 400 images and 40 micro-batches per rank and epoch, 10 windows.
 SOURCE_IMAGES, TEST_IMAGES = 1000, 200
 SMALL_RUN = ["--epochs", "2", "--batch-size", "10", "--accum-steps", "4", "--device", "cpu"]
+# A history row's fields that measure time: they differ between reruns that agree on everything else.
+TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "validation_seconds", "run_id"}
 
 
 def subprocess_env(**variables):
-    # gloo binds to loopback only: the tests talk to nothing beyond 127.0.0.1.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", **variables}
+    # gloo binds to loopback only: the tests talk to nothing beyond 127.0.0.1. The suite is the CPU suite:
+    # its subprocesses see no GPU, so that it means the same on a machine with one (gpu_check.sh runs CUDA).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", **variables}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), str(REPO), env.get("PYTHONPATH")]))
     return env
 

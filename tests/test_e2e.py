@@ -12,7 +12,7 @@ from PIL import Image
 
 import lab
 import synthetic_data
-from conftest import TEST_IMAGES, assert_ok, read_json, run_python, stderr_lines, subprocess_env, train
+from conftest import TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, subprocess_env, train
 from model import CLASSES, CifarCNN, eval_transform
 
 GRADIENT_BYTES = 558_538 * 4
@@ -155,10 +155,9 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
 def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path):
     artifacts, _ = lab_runs
     assert_ok(train(image_data, tmp_path / "every", "every", "--quiet"))
-    timing = {"comm_seconds", "epoch_seconds", "train_images_per_second", "run_id"}
     first, second = (read_json(folder / "history.json") for folder in (artifacts / "every", tmp_path / "every"))
-    assert [{k: v for k, v in row.items() if k not in timing} for row in first] == [
-        {k: v for k, v in row.items() if k not in timing} for row in second
+    assert [{k: v for k, v in row.items() if k not in TIMING} for row in first] == [
+        {k: v for k, v in row.items() if k not in TIMING} for row in second
     ]
     weights = [torch.load(folder / "model.pt", weights_only=True)["model"] for folder in (artifacts / "every", tmp_path / "every")]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])

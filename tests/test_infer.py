@@ -152,11 +152,8 @@ def test_a_checkpoint_with_pickled_code_is_refused_not_executed(checkpoint, tmp_
 def test_device_cuda(checkpoint, tmp_path):
     picture = tmp_path / "p.png"
     Image.new("RGB", (32, 32)).save(picture)
-    result = infer(checkpoint, picture, extra=("--device", "cuda"))
-    if torch.cuda.is_available():
-        assert result.returncode == 0, result.stderr
-    else:
-        assert_one_line_error(result, "--device cuda: no CUDA device is visible", "--device cpu")
+    result = infer(checkpoint, picture, extra=("--device", "cuda"))  # the tests' subprocesses see no GPU
+    assert_one_line_error(result, "--device cuda: no CUDA device is visible", "--device cpu")
 
 
 def test_top_k_out_of_range(checkpoint, tmp_path):

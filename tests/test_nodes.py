@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import lab
-from conftest import REPO, SMALL_RUN, assert_ok, assert_train_error, read_json, run_python, subprocess_env
+from conftest import REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env
 from test_faults import rank_pid
 
 NODE_FAILURE_SECONDS = 60
-TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "run_id"}
 
 
 def start_nodes(folders, *node_args, env=None):

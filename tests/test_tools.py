@@ -14,7 +14,7 @@ def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
     for label in ("OS:", "Python:", "torch:", "torchvision:", "CUDA runtime:", "GPU count:", "free disk here:", "data:"):
         assert label in result.stdout
     assert "BF16 autocast on CPU works: True" in result.stdout
-    # This test runs on CPU machines (CI has no GPU): the verdict must say so.
+    # The tests' subprocesses see no GPU (conftest.subprocess_env), also on a machine that has one.
     assert "The lab will run on CPU: 2 process(es) here with gloo" in result.stdout
     assert run_python("check_env.py", "--lab-device").stdout.strip() == "cpu"
     assert run_python("check_env.py", "--lab-device", "--nproc-per-node", "1").stdout.strip() == "cpu"

@@ -11,6 +11,9 @@ LAB_TEST_RAISE_AT_STEP ("<rank>:<step>"): that rank raises torch.OutOfMemoryErro
 LAB_TEST_LOSE_GRADIENTS=1: the optimizer finds no gradients (a pipeline that loses them); it updates nothing.
 LAB_TEST_FAKE_GPUS ("<node>:<count>"): on that node (torchrun's GROUP_RANK) torch reports <count> visible GPUs,
   as on a node that has them; only the device policy's question is answered, no CUDA call would work.
+LAB_TEST_SYNC_DEBUG=1 (gpu_check.sh): torch.cuda.set_sync_debug_mode while DDP is in training mode, that is
+  in train.py's training loop: "warn" in the first epoch (where DDP rebuilds its buckets once), "error" from
+  the second on, so that a host synchronization in the loop stops the run; off during evaluation.
 """
 import json
 import os
@@ -62,3 +65,18 @@ if os.environ.get("LAB_TEST_FAKE_GPUS"):
 
         torch.cuda.is_available = lambda: True
         torch.cuda.device_count = lambda: fake_count
+
+if os.environ.get("LAB_TEST_SYNC_DEBUG"):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    original_train = DistributedDataParallel.train
+    training_epochs = 0
+
+    def train_with_sync_debug(self, mode=True):
+        global training_epochs
+        training_epochs += mode
+        torch.cuda.set_sync_debug_mode(0 if not mode else "warn" if training_epochs == 1 else "error")
+        return original_train(self, mode)
+
+    DistributedDataParallel.train = train_with_sync_debug

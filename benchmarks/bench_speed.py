@@ -1,0 +1,272 @@
+"""How close the lab runs to its compute floor, and what each of its parts costs, in one run on one machine.
+
+    .venv/bin/python benchmarks/bench_speed.py --data-dir /tmp/cifar10-jpeg            # as make lab: 2 ranks
+    .venv/bin/python benchmarks/bench_speed.py --data-dir data --nproc-per-node 1 --device cuda    # one GPU
+
+Back to back, on the same machine:
+1. the compute floor: CifarCNN's forward, backward and AdamW step (train.make_optimizer) on random tensors
+   already on the device, at the lab's micro-batch and numerics (BF16 autocast, channels_last), one process
+   per rank running at once as in the lab (torchrun: one thread each on CPU), no DDP, no data; and the
+   evaluation forward alone;
+2. the audit's overhead: the lab's loop (train.train_epoch, no_sync) on those tensors, with plain DDP and
+   with the lab's audited DDP, taking turns;
+3. the lab itself: `train.py --mode no_sync --epochs 1` with each loader, the whole process timed, its
+   training phase (epoch_seconds) and validation (validation_seconds) read from its history.
+Efficiency = floor / measured. The table is printed and written with everything measured to
+artifacts/bench/speed.json. The image-folder decode cache is built first (timed), so neither loader's run
+pays for it.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import data  # noqa: E402
+import lab  # noqa: E402
+
+SCRIPT = "bench_speed.py"
+RUN_TIMEOUT = 1800
+
+
+def parse_args(argv=None):
+    documented = lab.DOCUMENTED
+    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="the dataset the lab's runs read")
+    parser.add_argument("--nproc-per-node", type=lab.positive_int, default=documented["world_size"])
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--windows", type=lab.positive_int, default=10, help="accumulation windows per floor sample")
+    parser.add_argument("--repeats", type=lab.positive_int, default=3, help="samples per floor and audit variant")
+    parser.add_argument("--output", type=Path, default=Path("artifacts/bench/speed.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the torchrun part, 1 and 2
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- 1 and 2: under torchrun
+
+
+def worker(args):
+    """Each rank measures the floor and the audit's overhead; rank 0 prints one JSON line."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import train
+    from model import CifarCNN
+
+    place = train.launch_environment(None)
+    with train.c_stdout_to_stderr():
+        dist.init_process_group("gloo")
+    device_type = train.choose_device(args.device, place)
+    if device_type == "cuda":
+        torch.cuda.set_device(place.local_rank)
+    device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
+    group = dist.new_group(backend="nccl") if device.type == "cuda" else None
+    batch, accum = lab.DOCUMENTED["batch_size"], lab.DOCUMENTED["accum_steps"]
+    micro_batches = args.windows * accum
+    torch.manual_seed(place.rank)
+    inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=train.MEMORY_FORMAT)
+    targets = torch.randint(0, 10, (batch,), device=device)
+    criterion = nn.CrossEntropyLoss()
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    initial_state = CifarCNN().state_dict()
+
+    def fresh_model():
+        model = CifarCNN()
+        model.load_state_dict(initial_state)
+        return model.to(device, memory_format=train.MEMORY_FORMAT)
+
+    def timed(body):
+        dist.barrier()  # every rank starts together: they share the machine as in the lab
+        started = train.read_clock(device)
+        body()
+        return train.read_clock(device) - started
+
+    model = fresh_model()
+    optimizer = train.make_optimizer(model.parameters(), device)
+
+    def train_windows():
+        for micro_batch in range(micro_batches):
+            with autocast():
+                loss = criterion(model(inputs), targets)
+            (loss / accum).backward()
+            if (micro_batch + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate_batches():
+        model.eval()
+        for _ in range(micro_batches):
+            with autocast():
+                criterion(model(inputs), targets)
+        model.train()
+
+    plan = lab.window_plan(micro_batches, accum, "error")
+    loader = [(inputs, targets)] * micro_batches
+    progress = train.Progress(enabled=False, interval=0)
+    wrappers = {
+        "plain DDP": lambda module: DDP(module, device_ids=device_ids(device), bucket_cap_mb=lab.BUCKET_CAP_MB, process_group=group),
+        "audited DDP": lambda module: train.wrap_model(module, device, place.world_size, group)[0],
+    }
+
+    def audit_loop(wrapper):
+        ddp_model = wrapper(fresh_model())
+        ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
+        return lambda: train.train_epoch(
+            ddp_model, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress
+        )
+
+    bodies = {"train": train_windows, "evaluate": evaluate_batches}
+    bodies.update({name: audit_loop(wrapper) for name, wrapper in wrappers.items()})
+    for body in bodies.values():  # warm-up: first-call allocations and kernel choices
+        body()
+    samples = {name: [] for name in bodies}
+    for _ in range(args.repeats):  # in turn, so that a drift of the machine's speed touches every variant
+        for name, body in bodies.items():
+            samples[name].append(timed(body) / micro_batches)
+    gathered = [None] * place.world_size
+    dist.all_gather_object(gathered, samples)
+    if place.rank == 0:
+        # Per variant, the median over repeats of the slowest rank (the lab waits for its slowest rank).
+        medians = {
+            name: statistics.median(max(rank_samples[name][repeat] for rank_samples in gathered) for repeat in range(args.repeats))
+            for name in bodies
+        }
+        print(json.dumps({"seconds_per_micro_batch": medians, "threads": torch.get_num_threads(), "device": str(device)}))
+    train.settle_comm_hooks()
+    dist.destroy_process_group()
+
+
+def device_ids(device):
+    return [device.index] if device.type == "cuda" else None
+
+
+# ----------------------------------------------------------------------------- 3 and the table
+
+
+def torchrun(nproc, *script_args, env=None):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
+    started = time.perf_counter()
+    result = subprocess.run(
+        [*command, *map(str, script_args)], capture_output=True, text=True, cwd=REPO, timeout=RUN_TIMEOUT, env=env
+    )
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise lab.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}):\n{tail}")
+    return result, seconds
+
+
+def lab_run(args, loader, workspace):
+    """One no_sync epoch of train.py with this loader: whole-process seconds, and its history and config."""
+    output = workspace / loader
+    _, seconds = torchrun(
+        args.nproc_per_node, REPO / "train.py", "--mode", "no_sync", "--epochs", "1", "--output", output,
+        "--data-dir", args.data_dir.resolve(), "--device", args.device, "--loader", loader, "--quiet",
+    )  # fmt: skip
+    (row,) = json.loads((output / lab.HISTORY_FILE).read_text())
+    config = json.loads((output / lab.RUN_RECORD_FILE).read_text())["config"]
+    micro_batches = lab.micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
+    validation_batches = math.ceil(math.ceil(config["validation_size"] / config["world_size"]) / config["batch_size"])
+    return {
+        "process_seconds": seconds,
+        "epoch_seconds": row["epoch_seconds"],
+        "validation_seconds": row["validation_seconds"],
+        "train_micro_batches_per_rank": micro_batches,
+        "validation_batches_per_rank": validation_batches,
+        "train_seconds_per_micro_batch": row["epoch_seconds"] / micro_batches,
+        "validation_seconds_per_batch": row["validation_seconds"] / validation_batches,
+        "train_images_per_second": row["train_images_per_second"],
+        "gradient_syncs": row["gradient_syncs"],
+        "optimizer_steps": row["optimizer_steps"],
+        "device": config["device"],
+        "world_size": config["world_size"],
+    }
+
+
+def table_rows(floor, runs):
+    """(part, measured ms, floor ms) per line; efficiency = floor / measured."""
+    rows = []
+    for loader, run in runs.items():
+        rows.append((f"training, no_sync, {loader} loader", run["train_seconds_per_micro_batch"], floor["train"]))
+    for loader, run in runs.items():
+        rows.append((f"validation, {loader} loader", run["validation_seconds_per_batch"], floor["evaluate"]))
+    rows.append(("lab loop, audited DDP, no_sync (vs plain DDP)", floor["audited DDP"], floor["plain DDP"]))
+    return rows
+
+
+def print_table(rows, runs, cache_seconds):
+    print("| part | measured ms per micro-batch | floor ms | efficiency |")
+    print("|---|---:|---:|---:|")
+    for part, measured, floor in rows:
+        print(f"| {part} | {measured * 1000:.1f} | {floor * 1000:.1f} | {floor / measured:.1%} |")
+    print()
+    print("| loader | whole process s (1 epoch, evaluation included) | training s | img/s (all ranks) |")
+    print("|---|---:|---:|---:|")
+    for loader, run in runs.items():
+        print(f"| {loader} | {run['process_seconds']:.1f} | {run['epoch_seconds']:.1f} | {run['train_images_per_second']:.0f} |")
+    if cache_seconds is not None:
+        print(f"\nimage folders decoded into the cache once, before the runs: {cache_seconds:.1f} s")
+
+
+def machine(device):
+    name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
+    return {"device": device, "name": name, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    cache_seconds = None
+    try:
+        started = time.perf_counter()
+        data.prepare_data(args.data_dir)
+        if lab.is_image_folder_tree(args.data_dir):
+            cache_seconds = time.perf_counter() - started
+        result, _ = torchrun(
+            args.nproc_per_node, Path(__file__).resolve(), "--worker", "--device", args.device,
+            "--windows", args.windows, "--repeats", args.repeats,
+        )  # fmt: skip
+        measured = json.loads(result.stdout.strip().splitlines()[-1])
+        floor = measured["seconds_per_micro_batch"]
+        with tempfile.TemporaryDirectory(prefix="bench-speed-") as workspace:
+            runs = {loader: lab_run(args, loader, Path(workspace)) for loader in data.LOADERS}
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT)
+    device = runs["tensor"]["device"]
+    print(
+        f"{args.nproc_per_node} process(es) on {device}, {measured['threads']} thread(s) each, micro-batch "
+        f"{lab.DOCUMENTED['batch_size']}, BF16 autocast, channels_last; floor: median of {args.repeats} x "
+        f"{args.windows} windows"
+    )
+    rows = table_rows(floor, runs)
+    print_table(rows, runs, cache_seconds)
+    settings = ("data_dir", "nproc_per_node", "device", "windows", "repeats")
+    report = {
+        "machine": machine(device),
+        "settings": {name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings},
+        "floor_seconds_per_micro_batch": floor,
+        "lab_runs": runs,
+        "decode_cache_seconds": cache_seconds,
+        "rows": [{"part": part, "measured_seconds": m, "floor_seconds": f, "efficiency": f / m} for part, m, f in rows],
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    lab.write_atomic(args.output, lab.json_bytes(report))
+    print(f"\nwritten: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
