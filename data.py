@@ -14,6 +14,7 @@ import io
 import math
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 import numpy as np
 import torch
 from PIL import Image
@@ -55,6 +56,7 @@ class DataSource:
     test_images: np.ndarray
     test_labels: list
 
+    @cached_property
     def fingerprint(self):
         digest = hashlib.sha256()
         for array in (self.train_images, np.asarray(self.train_labels), self.test_images, np.asarray(self.test_labels)):
@@ -67,7 +69,7 @@ class DataSource:
             "layout": self.layout,
             "train-source images": len(self.train_labels),
             "test images": len(self.test_labels),
-            "fingerprint of images and labels": self.fingerprint(),
+            "fingerprint of images and labels": self.fingerprint,
         }
 
 
@@ -162,18 +164,16 @@ def read_decoded_cache(cache):
         )
 
 
-def read_image_folders(data_dir, write_cache):
-    """The decoded tree, from its cache when the files are those the cache was made of."""
-    train_files, test_files = image_split_files(data_dir / "train"), image_split_files(data_dir / "test")
-    cache = decoded_cache_path(data_dir, train_files, test_files)
-    if cache.is_file():
-        return read_decoded_cache(cache)
+def decode_image_folders(train_files, test_files):
     train_images, train_labels = decode_split(train_files)
     test_images, test_labels = decode_split(test_files)
-    source = DataSource("image-folders", train_images, train_labels, test_images, test_labels)
-    if write_cache:
-        write_decoded_cache(cache, source)
-    return source
+    return DataSource("image-folders", train_images, train_labels, test_images, test_labels)
+
+
+def image_folder_files(data_dir):
+    """The tree's files and the cache file that belongs to exactly these files."""
+    train_files, test_files = image_split_files(data_dir / "train"), image_split_files(data_dir / "test")
+    return train_files, test_files, decoded_cache_path(data_dir, train_files, test_files)
 
 
 def download_failure(data_dir, error):
@@ -195,7 +195,9 @@ def prepare_data(data_dir):
     (torchvision checks the archive's and the files' md5 sums), or decode an image-folder tree into its cache."""
     check_data_dir(data_dir)
     if lab.is_image_folder_tree(data_dir):
-        read_image_folders(data_dir, write_cache=True)
+        train_files, test_files, cache = image_folder_files(data_dir)
+        if not cache.is_file():
+            write_decoded_cache(cache, decode_image_folders(train_files, test_files))
         return
     try:
         for train in (True, False):
@@ -208,7 +210,8 @@ def load_data(data_dir):
     """The images of data_dir, in either layout (prepare_data has run on this node)."""
     check_data_dir(data_dir)
     if lab.is_image_folder_tree(data_dir):
-        return read_image_folders(data_dir, write_cache=False)
+        train_files, test_files, cache = image_folder_files(data_dir)
+        return read_decoded_cache(cache) if cache.is_file() else decode_image_folders(train_files, test_files)
     train = datasets.CIFAR10(data_dir, train=True, download=False)
     test = datasets.CIFAR10(data_dir, train=False, download=False)
     return DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))

@@ -556,7 +556,7 @@ def run_config(args, place, sizes, source, device, backend):
         "test_size": sizes["test"],
         "data_layout": source.layout,
         "loader": args.loader,
-        "data_fingerprint": source.fingerprint(),
+        "data_fingerprint": source.fingerprint,
         "device": device.type,
         "backend": backend,
         "autocast": "bfloat16",

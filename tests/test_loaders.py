@@ -128,7 +128,7 @@ def test_the_decode_cache_is_built_once_used_and_rebuilt_when_a_file_changes(tmp
     data.prepare_data(root)
     (rebuilt,) = root.glob(".decoded-*.npz")  # the stale cache is gone
     assert rebuilt != cache
-    assert data.load_data(root).fingerprint() != decoded.fingerprint()
+    assert data.load_data(root).fingerprint != decoded.fingerprint
 
 
 def test_a_cache_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
