@@ -14,14 +14,17 @@ Two machines, one process each: the same command on both (README "Across machine
 ddp_model.no_sync(), so DDP all-reduces once per window. A communication hook counts the syncs, their bytes
 and time; an AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
 
-Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, real CIFAR-10 as JPEG, documented settings; per rank,
-totals over 5 epochs; README.md "Measured results" has the whole table):
+Data come from data.py: by default (--loader tensor) decoded once, held on the training device and augmented
+there in whole batches; --loader pil is the document's per-image PIL pipeline.
+
+Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, channels_last, tensor loader, real CIFAR-10 as JPEG,
+documented settings; per rank, totals over 5 epochs; README.md "Measured results" has the whole table):
 
     | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer broadcasts | epoch s | test accuracy |
-    | every   | 100         | 400         | 4468.3        | 4002              | 500.8   | 0.7134        |
-    | no_sync | 100         | 100         | 1117.1        | 1002              | 430.9   | 0.7124        |
+    | every   | 100         | 400         | 4468.3        | 4002              | 417.0   | 0.7063        |
+    | no_sync | 100         | 100         | 1117.1        | 1002              | 404.8   | 0.7084        |
 
-(channels_last; whole-run epoch seconds vary with the shared machine: 334 to 501 s in four runs per mode.)
+(whole-run epoch seconds vary with the shared machine: 334 to 501 s in five runs per mode.)
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """

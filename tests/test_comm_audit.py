@@ -1,10 +1,13 @@
 """The audit counts what really crosses between the ranks: checked against the PyTorch profiler's record of
 the c10d collectives, and against the counts lab.py derives from the configuration and the model."""
 import json
+import threading
+import time
 
 import pytest
 
 import lab
+import train
 from conftest import WORKERS, assert_ok, torchrun
 from model import CifarCNN
 
@@ -55,3 +58,29 @@ def test_the_bucket_size_must_be_explicit(measured):
     """SPEC correction 5: with DDP's default bucket_cap_mb the first bucket is capped at 1 MiB after the
     rebuild, so each sync makes two hook calls; the lab's explicit 25 MB keeps one."""
     assert measured["hook_calls_per_sync"] == {"default": [1, 2, 2], "25": [1, 1, 1]}
+
+
+def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(monkeypatch):
+    """gloo runs the futures' callbacks of several buckets on its own threads; each adds its time to one sum.
+    Here every stop adds exactly 1.0 s, from 8 threads at once, and reading the clock lets the other threads
+    run (as a real clock read can): an addition written as `total += clock() - started` reads the total
+    before the clock and loses the additions made meanwhile."""
+
+    def clock_that_yields():
+        time.sleep(0)
+        return 1.0
+
+    monkeypatch.setattr(train.time, "perf_counter", clock_that_yields)
+    clock = train.CollectiveClock("cpu")
+    stops_per_thread = 2_000
+
+    def stop_many():
+        for _ in range(stops_per_thread):
+            clock.stop(0.0)
+
+    threads = [threading.Thread(target=stop_many) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert clock.total() == 8 * stops_per_thread

@@ -58,6 +58,7 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["broadcast_bytes"] == buffer_syncs * BUFFER_BYTES
             assert row["rebuild_broadcasts"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
             assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
+            assert row["validation_seconds"] > 0
             assert row["train_images_per_second"] > 0
 
 
