@@ -186,6 +186,35 @@ def window_plan(num_micro_batches, accum_steps, partial_window):
     return plan
 
 
+def planned_positions(plan, mode):
+    """Where the plan puts the gradient syncs and the optimizer steps: micro-batch indices in the epoch."""
+    return {
+        "gradient_syncs": [index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync],
+        "optimizer_steps": [index for index, micro_step in enumerate(plan) if micro_step.step],
+    }
+
+
+def as_progressions(positions):
+    """Sorted indices as arithmetic runs [start, stop, step] (stop exclusive, as in range()), each as long as
+    it goes: every's 400 syncs of an epoch are [[0, 400, 1]], no_sync's 100 are [[3, 400, 4]]."""
+    runs, index = [], 0
+    while index < len(positions):
+        start = positions[index]
+        if index + 1 == len(positions):
+            runs.append([start, start + 1, 1])
+            break
+        step, last = positions[index + 1] - start, index + 1
+        while last + 1 < len(positions) and positions[last + 1] - positions[last] == step:
+            last += 1
+        runs.append([start, positions[last] + 1, step])
+        index = last + 1
+    return runs
+
+
+def from_progressions(runs):
+    return [position for start, stop, step in runs for position in range(start, stop, step)]
+
+
 def micro_batches_per_rank(train_size, world_size, batch_size):
     """DistributedSampler(drop_last=False) pads the split to a multiple of world_size; the loader keeps a last
     short batch."""
@@ -250,13 +279,18 @@ def bucket_rebuild_epoch(plan, mode):
     return 1 if first_synchronized + 1 < len(plan) else 2
 
 
-def expected_epoch_counts(config, mode, epoch, sizes):
-    """The exact per-rank counts of one epoch (1-based) of a run with this configuration."""
-    plan = window_plan(
+def epoch_plan(config):
+    """The window plan every epoch of a run with this configuration executes."""
+    return window_plan(
         micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"]),
         config["accum_steps"],
         config["partial_window"],
     )
+
+
+def expected_epoch_counts(config, mode, epoch, sizes):
+    """The exact per-rank counts of one epoch (1-based) of a run with this configuration."""
+    plan = epoch_plan(config)
     gradient_syncs = len(plan) if mode == "every" else sum(m.sync for m in plan)
     buffer_syncs = buffer_syncs_in_epoch(plan, mode, first_epoch=epoch == 1)
     return {
@@ -264,9 +298,9 @@ def expected_epoch_counts(config, mode, epoch, sizes):
         "gradient_syncs": gradient_syncs,
         "sync_bucket_calls": gradient_syncs * sizes.gradient_buckets,
         "allreduce_bytes": gradient_syncs * sizes.gradient_bytes,
-        "buffer_broadcasts": buffer_syncs * sizes.buffer_dtype_groups,
+        "buffer_broadcast_collectives": buffer_syncs * sizes.buffer_dtype_groups,
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
-        "rebuild_broadcasts": REBUILD_BROADCASTS if epoch == bucket_rebuild_epoch(plan, mode) else 0,
+        "rebuild_broadcast_collectives": REBUILD_BROADCASTS if epoch == bucket_rebuild_epoch(plan, mode) else 0,
     }
 
 

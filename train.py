@@ -20,7 +20,7 @@ there in whole batches; --loader pil is the document's per-image PIL pipeline.
 Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, channels_last, tensor loader, real CIFAR-10 as JPEG,
 documented settings; per rank, totals over 5 epochs; README.md "Measured results" has the whole table):
 
-    | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer broadcasts | epoch s | test accuracy |
+    | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer-broadcast collectives | epoch s | test accuracy |
     | every   | 100         | 400         | 4468.3        | 4002              | 417.0   | 0.7063        |
     | no_sync | 100         | 100         | 1117.1        | 1002              | 404.8   | 0.7084        |
 
@@ -360,17 +360,17 @@ class CommAudit:
     sync_bucket_calls: int = 0
     gradient_syncs: int = 0
     allreduce_bytes: int = 0
-    buffer_broadcasts: int = 0
+    buffer_broadcast_collectives: int = 0
     broadcast_bytes: int = 0
-    rebuild_broadcasts: int = 0
+    rebuild_broadcast_collectives: int = 0
 
     COUNTS = (
         "sync_bucket_calls",
         "gradient_syncs",
         "allreduce_bytes",
-        "buffer_broadcasts",
+        "buffer_broadcast_collectives",
         "broadcast_bytes",
-        "rebuild_broadcasts",
+        "rebuild_broadcast_collectives",
     )
 
     def totals(self):
@@ -398,6 +398,26 @@ def counting_allreduce_hook(audit, bucket):
     return dist.all_reduce(tensor, group=audit.group, async_op=True).get_future().then(finished)
 
 
+def fingerprint(tensors):
+    """The float64 sum and sum of squares of tensors: bit for bit the same on ranks that hold the same values."""
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).double()
+    return torch.stack([flat.sum(), flat.square().sum()])
+
+
+def ranks_agree(gradients_fingerprint, parameters, group):
+    """One small all-reduce: did every rank step on the same gradients and end with the same parameters?
+
+    The maxima of the fingerprints and of their negatives give each value's maximum and minimum over the
+    ranks; they are equal where every rank holds the same. Returns a device tensor [gradients agreed,
+    parameters agreed], read once per epoch.
+    """
+    mine = torch.cat([gradients_fingerprint, fingerprint(parameters)])
+    extremes = torch.cat([mine, -mine])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    agreed = extremes[: mine.numel()] == -extremes[mine.numel() :]
+    return torch.stack([agreed[:2].all(), agreed[2:].all()])
+
+
 def settle_comm_hooks():
     """Wait until gloo's threads are done with the hook's Python callbacks, before the groups are torn down.
 
@@ -418,7 +438,7 @@ class AuditedDDP(DDP):
         rebuilt_before = self._has_rebuilt_buckets
         result = super()._pre_forward(*inputs, **kwargs)
         if self._has_rebuilt_buckets and not rebuilt_before:
-            self.comm_audit.rebuild_broadcasts += lab.REBUILD_BROADCASTS
+            self.comm_audit.rebuild_broadcast_collectives += lab.REBUILD_BROADCASTS
         return result
 
     def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):
@@ -428,7 +448,7 @@ class AuditedDDP(DDP):
         audit.clock.stop(started)  # on GPU: the current stream waits for the broadcast
         # One collective per dtype: _broadcast_coalesced flattens same-dtype tensors into one bucket
         # (tests/test_comm_audit.py checks this against the profiler's c10d::broadcast_ events).
-        audit.buffer_broadcasts += len({tensor.dtype for tensor in tensors})
+        audit.buffer_broadcast_collectives += len({tensor.dtype for tensor in tensors})
         audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
@@ -443,7 +463,33 @@ def wrap_model(model, device, world_size, group=None):
     audit = CommAudit(world_size=world_size, group=group, clock=CollectiveClock(device.type))
     ddp_model.comm_audit = audit
     ddp_model.register_comm_hook(audit, counting_allreduce_hook)
+    check_ddp_settings(ddp_model)
     return ddp_model, audit
+
+
+# What lab.expected_epoch_counts assumes of DDP: buffer broadcasts before synchronized forwards, every
+# parameter used (no search for unused ones), one bucket rebuild after the first synchronized backward (no
+# static graph), one 25 MB bucket for the 2.2 MB of gradients, the gradients all-reduced by the counting hook
+# alone and the buffers broadcast by DDP itself (no buffer hook).
+DDP_SETTINGS = {
+    "broadcast_buffers": True,
+    "find_unused_parameters": False,
+    "static_graph": False,
+    "bucket_bytes_cap": lab.BUCKET_CAP_MB * 1024 * 1024,
+}
+
+
+def check_ddp_settings(ddp_model):
+    expected = {**DDP_SETTINGS, "gradient comm hooks": [counting_allreduce_hook.__name__], "buffer comm hook": False}
+    actual = {name: getattr(ddp_model, name) for name in DDP_SETTINGS}
+    actual["gradient comm hooks"] = [hook.__name__ for hook, _ in ddp_model._comm_hooks]
+    actual["buffer comm hook"] = hasattr(ddp_model, "buffer_hook")
+    changed = [f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value]
+    if changed:
+        raise lab.LabError(
+            f"DDP is wrapped with settings the audit's expected counts do not assume: {'; '.join(changed)}; "
+            f"restore them in train.wrap_model, or change lab.expected_epoch_counts with them"
+        )
 
 
 # ----------------------------------------------------------------------------- training and evaluation
@@ -476,37 +522,66 @@ class Progress:
         )
 
 
+@dataclass
+class EpochTrace:
+    """Where one rank's epoch synchronized and stepped, and whether the ranks agreed at each step."""
+
+    sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
+    step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
+    agreement: list = field(default_factory=list)  # per step, on the device: [gradients agreed, parameters agreed]
+
+    def rank_agreement(self):
+        """Steps at which the ranks agreed, and the first at which they did not (one host read)."""
+        verdicts = torch.stack(self.agreement).tolist() if self.agreement else []
+        first = next((step for step, verdict in enumerate(verdicts, start=1) if not all(verdict)), None)
+        if first is None:
+            return len(verdicts), None
+        gradients_agreed, parameters_agreed = verdicts[first - 1]
+        what = [name for name, agreed in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not agreed]
+        return sum(map(all, verdicts)), {"optimizer_step": first, "differed": what}
+
+
 def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress):
     """One epoch by the window plan.
 
-    Returns this rank's (loss sum, correct, count) as a float64 tensor, and the optimizer steps it took.
+    Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: the micro-batches
+    whose backward synchronized (the hook saw the last bucket) and after which the optimizer stepped, and at
+    each step whether every rank held the same gradients before it and the same parameters after it.
     """
     ddp_model.train()
     optimizer.zero_grad(set_to_none=True)
+    audit = ddp_model.comm_audit
+    parameters = list(ddp_model.parameters())
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    optimizer_steps = images = 0
+    trace = EpochTrace()
+    images = 0
     progress.start("train", len(plan), "micro-batches")
-    for done, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True), start=1):
+    for index, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True)):
         inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
         targets = targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
+        syncs_before = audit.gradient_syncs
         with ddp_model.no_sync() if suppress_sync else nullcontext():
             with autocast():
                 logits = ddp_model(inputs)
                 raw_loss = criterion(logits, targets)
             (raw_loss / micro_step.loss_divisor).backward()
+        if audit.gradient_syncs != syncs_before:
+            trace.sync_positions.append(index)
         if micro_step.step:
+            gradients = fingerprint(p.grad for p in parameters if p.grad is not None)
             optimizer.step()
+            trace.agreement.append(ranks_agree(gradients, parameters, audit.group))
             optimizer.zero_grad(set_to_none=True)
-            optimizer_steps += 1
+            trace.step_positions.append(index)
         # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch).
         totals[0] += raw_loss.detach().double() * targets.size(0)
         totals[1] += logits.detach().argmax(dim=1).eq(targets).sum()
         totals[2] += targets.size(0)
         images += targets.size(0)
-        progress.update(done, images)
-    return totals, optimizer_steps
+        progress.update(index + 1, images)
+    return totals, trace
 
 
 @torch.no_grad()
@@ -569,7 +644,7 @@ def run_config(args, place, sizes, source, device, backend):
     }
 
 
-def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, after, phase_seconds, run_id, device, group):
+def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase_seconds, run_id, device, group):
     """The epoch's JSON line: the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
@@ -582,10 +657,11 @@ def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, af
     loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, comm_seconds_sum = summed.tolist()
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
+    agreed_steps, first_disagreement = trace.rank_agreement()
     return {
         "epoch": epoch,
         "mode": mode,
-        "optimizer_steps": optimizer_steps,
+        "optimizer_steps": len(trace.step_positions),
         "gradient_syncs": after["gradient_syncs"] - before["gradient_syncs"],
         "train_loss": loss_sum / count,
         "train_accuracy": correct / count,
@@ -596,6 +672,11 @@ def epoch_row(epoch, mode, optimizer_steps, train_totals, validation, before, af
         "epoch_seconds": epoch_seconds_sum / world_size,
         "train_images_per_second": count / (epoch_seconds_sum / world_size),
         "validation_seconds": validation_seconds_sum / world_size,
+        # Where, not only how many (rank 0's): micro-batch indices as [start, stop, step] runs.
+        "gradient_sync_positions": lab.as_progressions(trace.sync_positions),
+        "optimizer_step_positions": lab.as_progressions(trace.step_positions),
+        "steps_with_ranks_agreed": agreed_steps,
+        "first_rank_disagreement": first_disagreement,
         "run_id": run_id,
     }
 
@@ -673,7 +754,7 @@ def run(args, place):
         progress.prefix = f"epoch {epoch}/{args.epochs} "
         before = audit.totals()
         epoch_started = read_clock(device)
-        train_totals, optimizer_steps = train_epoch(
+        train_totals, trace = train_epoch(
             ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress
         )
         validation_started = read_clock(device)
@@ -686,7 +767,7 @@ def run(args, place):
         row = epoch_row(
             epoch,
             args.mode,
-            optimizer_steps,
+            trace,
             train_totals,
             (validation_loss, validation_accuracy),
             before,

@@ -11,6 +11,7 @@ file must carry its run's id and match the checksum the run recorded, and the re
 own confusion matrices. A failure is one line naming the file and what is wrong (exit 1). On success it also
 draws curves.png and communication.png next to the run folders.
 """
+import itertools
 import json
 import math
 from pathlib import Path
@@ -27,9 +28,9 @@ COUNT_LABELS = {
     "gradient_syncs": "gradient syncs",
     "sync_bucket_calls": "hook calls",
     "allreduce_bytes": "all-reduced bytes",
-    "buffer_broadcasts": "buffer broadcasts",
+    "buffer_broadcast_collectives": "buffer-broadcast collectives",
     "broadcast_bytes": "broadcast bytes",
-    "rebuild_broadcasts": "bucket-rebuild broadcasts",
+    "rebuild_broadcast_collectives": "bucket-rebuild broadcast collectives",
 }
 ROW_INTEGERS = ("epoch", *COUNT_LABELS)
 CONFIG_COUNTS = ("world_size", "batch_size", "accum_steps", "epochs", "train_size", "validation_size", "test_size")
@@ -170,15 +171,73 @@ def check_history(path, mode, record, expected_config, sizes, hint):
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
         expected = lab.expected_epoch_counts(expected_config, mode, number, sizes)
-        for key, value in expected.items():
-            if row[key] != value:
-                advice = ""
-                if key == "gradient_syncs" and mode == "no_sync" and row[key] > value:
-                    advice = "; the forward ran outside no_sync() or the run used --mode every"
-                raise AuditError(
-                    f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice}){hint}"
-                )
+        # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts).
+        check_counts(path, number, row, {key: expected.pop(key) for key in POSITION_FIELDS}, mode, hint)
+        check_positions(path, number, row, lab.epoch_plan(expected_config), mode, hint)
+        check_rank_agreement(path, number, row)
+        check_counts(path, number, row, expected, mode, hint)
     return history
+
+
+def check_rank_agreement(path, number, row):
+    """At every optimizer step all ranks must have held the same gradients before it and the same
+    parameters after it (train.ranks_agree compares float64 fingerprints across the ranks)."""
+    agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")
+    check(is_int(agreed), path, f"epoch row {number}: steps_with_ranks_agreed must be a whole number, got {agreed!r}")
+    if first is None and agreed == row["optimizer_steps"]:
+        return
+    check(
+        isinstance(first, dict) and is_int(first.get("optimizer_step")) and isinstance(first.get("differed"), list),
+        path,
+        f"epoch {number}: the ranks agreed at {agreed} of {row['optimizer_steps']} optimizer steps, and "
+        f"first_rank_disagreement does not say where they did not ({first!r})",
+    )
+    differed = " and ".join(map(str, first["differed"]))
+    raise AuditError(
+        f"{path}: epoch {number}: at optimizer step {first['optimizer_step']} the ranks held different {differed} "
+        f"(agreed at {agreed} of {row['optimizer_steps']} steps): they no longer trained one model"
+    )
+
+
+def check_counts(path, number, row, expected, mode, hint):
+    for key, value in expected.items():
+        if row[key] != value:
+            advice = ""
+            if key == "gradient_syncs" and mode == "no_sync" and row[key] > value:
+                advice = "; the forward ran outside no_sync() or the run used --mode every"
+            raise AuditError(f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice}){hint}")
+
+
+POSITION_FIELDS = {"gradient_syncs": "gradient_sync_positions", "optimizer_steps": "optimizer_step_positions"}
+POSITION_MESSAGES = {
+    "gradient_syncs": "gradient sync {number} of the epoch ran in the backward of micro-batch {happened}; "
+    "the window plan puts it in micro-batch {planned}'s",
+    "optimizer_steps": "optimizer step {number} of the epoch came after micro-batch {happened}; "
+    "the window plan puts it after micro-batch {planned}",
+}
+
+
+def check_positions(path, number, row, plan, mode, hint):
+    """The micro-batches where the syncs and steps happened must be the window plan's, one by one."""
+    planned = lab.planned_positions(plan, mode)
+    for key, field in POSITION_FIELDS.items():
+        runs = row.get(field)
+        check(
+            isinstance(runs, list)
+            and all(isinstance(run, list) and len(run) == 3 and all(is_int(n) for n in run) for run in runs)
+            and all(0 <= start < stop <= len(plan) and step > 0 for start, stop, step in runs),
+            path,
+            f"epoch row {number}: {field} must be [start, stop, step] runs of micro-batch indices, got {runs!r}",
+        )
+        recorded = lab.from_progressions(runs)
+        if recorded == planned[key]:
+            continue
+        first, (happened, due) = next(
+            (index, pair) for index, pair in enumerate(itertools.zip_longest(recorded, planned[key], fillvalue="none"))
+            if pair[0] != pair[1]
+        )
+        message = POSITION_MESSAGES[key].format(number=first + 1, happened=happened, planned=due)
+        raise AuditError(f"{path}: epoch {number}: {message}{hint}")
 
 
 def check_report(path, mode, record):
@@ -294,15 +353,15 @@ def print_tables(runs):
     epochs = len(every_history)
     print(f"Communication per rank, totals over {epochs} epochs (comm and epoch seconds: means over ranks):")
     print(
-        "| mode | gradient syncs | hook calls | all-reduce MB | buffer broadcasts | broadcast KB "
-        "| bucket-rebuild broadcasts | comm s | epoch s | images/s |"
+        "| mode | gradient syncs | hook calls | all-reduce MB | buffer-broadcast collectives | broadcast KB "
+        "| bucket-rebuild collectives | comm s | epoch s | images/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, (history, _) in runs.items():
         print(
             f"| {mode} | {total(history, 'gradient_syncs')} | {total(history, 'sync_bucket_calls')} | "
-            f"{total(history, 'allreduce_bytes') / 1e6:.1f} | {total(history, 'buffer_broadcasts')} | "
-            f"{total(history, 'broadcast_bytes') / 1e3:.1f} | {total(history, 'rebuild_broadcasts')} | "
+            f"{total(history, 'allreduce_bytes') / 1e6:.1f} | {total(history, 'buffer_broadcast_collectives')} | "
+            f"{total(history, 'broadcast_bytes') / 1e3:.1f} | {total(history, 'rebuild_broadcast_collectives')} | "
             f"{total(history, 'comm_seconds'):.2f} | "
             f"{total(history, 'epoch_seconds'):.1f} | "
             f"{sum(r['train_images_per_second'] for r in history) / epochs:.0f} |"
@@ -315,9 +374,9 @@ def print_tables(runs):
                 "gradient_syncs",
                 "sync_bucket_calls",
                 "allreduce_bytes",
-                "buffer_broadcasts",
+                "buffer_broadcast_collectives",
                 "broadcast_bytes",
-                "rebuild_broadcasts",
+                "rebuild_broadcast_collectives",
                 "comm_seconds",
                 "epoch_seconds",
             )
@@ -345,7 +404,7 @@ def draw_pictures(artifacts, runs, records):
     panels = [
         ("gradient_syncs", "gradient syncs per epoch", "syncs", 1),
         ("allreduce_bytes", "all-reduced gradients per epoch", "MB per rank", 1e6),
-        ("buffer_broadcasts", "buffer broadcasts per epoch", "broadcasts", 1),
+        ("buffer_broadcast_collectives", "buffer-broadcast collectives per epoch", "collectives", 1),
         ("comm_seconds", "time in collectives per epoch", "seconds (mean over ranks)", 1),
     ]
     bars = [

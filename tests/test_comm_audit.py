@@ -5,6 +5,8 @@ import threading
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import lab
 import train
@@ -12,6 +14,7 @@ from conftest import WORKERS, assert_ok, torchrun
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
+# train_epoch adds one small all-reduce per optimizer step: the ranks' fingerprints (train.ranks_agree).
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +30,22 @@ def rows(measured):
 
 def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
     for row in rows:
-        assert row["audit"]["sync_bucket_calls"] == row["profiler_allreduces"] - EVALUATION_ALLREDUCES, row
+        lab_allreduces = row["optimizer_steps"] + EVALUATION_ALLREDUCES
+        assert row["audit"]["sync_bucket_calls"] == row["profiler_allreduces"] - lab_allreduces, row
 
 
 def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
     for row in rows:
         audit = row["audit"]
-        assert audit["buffer_broadcasts"] + audit["rebuild_broadcasts"] == row["profiler_broadcasts"], row
-        assert audit["buffer_broadcasts"] > 0 and audit["rebuild_broadcasts"] == (2 if row["epoch"] == 1 else 0), row
+        assert audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"] == row["profiler_broadcasts"], row
+        assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == (2 if row["epoch"] == 1 else 0), row
+
+
+def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
+    """Each rank's last training forward updates its own running statistics; the evaluation's first forward
+    broadcasts rank 0's, so the model every rank evaluates (and rank 0 saves) is one."""
+    for row in rows:
+        assert row["buffers_equal"] == {"after training": False, "after evaluation": True}, row
 
 
 def test_measured_counts_equal_the_expected_counts(rows):
@@ -84,3 +95,38 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     for thread in threads:
         thread.join()
     assert clock.total() == 8 * stops_per_thread
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"broadcast_buffers": False}, "broadcast_buffers False (expected True)"),
+        ({"find_unused_parameters": True}, "find_unused_parameters True (expected False)"),
+        ({"static_graph": True}, "static_graph True (expected False)"),
+        ({"bucket_cap_mb": 1}, "bucket_bytes_cap 1048576 (expected 26214400)"),
+        ({"hooks": "none"}, "gradient comm hooks [] (expected ['counting_allreduce_hook'])"),
+        ({"hooks": "buffer"}, "buffer comm hook True (expected False)"),
+    ],
+)
+def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_group, change, named):
+    cpu = torch.device("cpu")
+    train.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0])  # the lab's own wrapping passes
+    hooks = change.pop("hooks", "counting")
+    ddp_model = train.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": lab.BUCKET_CAP_MB, "broadcast_buffers": True, **change})
+    if hooks != "none":
+        ddp_model.register_comm_hook(train.CommAudit(1), train.counting_allreduce_hook)
+    if hooks == "buffer":
+        ddp_model._register_buffer_comm_hook(None, lambda state, buffers: [])
+    with pytest.raises(lab.LabError) as caught:
+        train.check_ddp_settings(ddp_model)
+    message = str(caught.value)
+    assert message.startswith("DDP is wrapped with settings the audit's expected counts do not assume: ")
+    assert named in message and message.endswith("or change lab.expected_epoch_counts with them")

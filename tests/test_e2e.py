@@ -7,6 +7,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -54,11 +55,14 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["optimizer_steps"] == 10
             assert row["gradient_syncs"] == row["sync_bucket_calls"] == expected["syncs"]
             assert row["allreduce_bytes"] == expected["syncs"] * GRADIENT_BYTES
-            assert row["buffer_broadcasts"] == 2 * buffer_syncs
+            assert row["buffer_broadcast_collectives"] == 2 * buffer_syncs
             assert row["broadcast_bytes"] == buffer_syncs * BUFFER_BYTES
-            assert row["rebuild_broadcasts"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
+            assert row["rebuild_broadcast_collectives"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
             assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
             assert row["validation_seconds"] > 0
+            # 40 micro-batches per epoch in windows of 4: where the syncs and steps happened, not only how many.
+            assert row["gradient_sync_positions"] == ([[0, 40, 1]] if mode == "every" else [[3, 40, 4]])
+            assert row["optimizer_step_positions"] == [[3, 40, 4]]
             assert row["train_images_per_second"] > 0
 
 
@@ -69,11 +73,11 @@ def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, 
     for mode in ("every", "no_sync"):
         assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "100", "--quiet"))
     history = read_json(artifacts / "no_sync" / "history.json")
-    assert [(row["gradient_syncs"], row["buffer_broadcasts"], row["rebuild_broadcasts"]) for row in history] == [
+    assert [(row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"]) for row in history] == [
         (1, 4, 0),
         (1, 2, 2),
     ]
-    assert [row["rebuild_broadcasts"] for row in read_json(artifacts / "every" / "history.json")] == [2, 0]
+    assert [row["rebuild_broadcast_collectives"] for row in read_json(artifacts / "every" / "history.json")] == [2, 0]
     result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -153,16 +157,20 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
     assert np.allclose(list(output["probabilities"].values()), probabilities.tolist(), atol=1e-6)
 
 
-def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path):
+@pytest.mark.parametrize("mode", ["every", "no_sync"])
+def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path, mode):
+    """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix."""
     artifacts, _ = lab_runs
-    assert_ok(train(image_data, tmp_path / "every", "every", "--quiet"))
-    first, second = (read_json(folder / "history.json") for folder in (artifacts / "every", tmp_path / "every"))
+    assert_ok(train(image_data, tmp_path / mode, mode, "--quiet"))
+    folders = (artifacts / mode, tmp_path / mode)
+    first, second = (read_json(folder / "history.json") for folder in folders)
     assert [{k: v for k, v in row.items() if k not in TIMING} for row in first] == [
         {k: v for k, v in row.items() if k not in TIMING} for row in second
     ]
-    weights = [torch.load(folder / "model.pt", weights_only=True)["model"] for folder in (artifacts / "every", tmp_path / "every")]
+    weights = [torch.load(folder / "model.pt", weights_only=True)["model"] for folder in folders]
+    assert weights[0].keys() == weights[1].keys() and any("running_mean" in name for name in weights[0])
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
-    first_report, second_report = (read_json(folder / "report.json") for folder in (artifacts / "every", tmp_path / "every"))
+    first_report, second_report = (read_json(folder / "report.json") for folder in folders)
     assert first_report["confusion_matrix"] == second_report["confusion_matrix"]
 
 

@@ -154,7 +154,7 @@ def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_lo
     result = assert_ok(train(image_data, mixed / "no_sync", "no_sync", "--loader", "pil", "--quiet"))
     rows = [json.loads(line) for line in result.stdout.splitlines()[:2]]
     tensor_rows = read_json(artifacts / "no_sync" / lab.HISTORY_FILE)
-    counts = ("optimizer_steps", "gradient_syncs", "allreduce_bytes", "buffer_broadcasts", "broadcast_bytes")
+    counts = ("optimizer_steps", "gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes")
     assert [[row[key] for key in counts] for row in rows] == [[row[key] for key in counts] for row in tensor_rows]
     record = read_json(mixed / "no_sync" / lab.RUN_RECORD_FILE)
     assert record["config"]["loader"] == "pil" and record["config"]["train_size"] == SOURCE_IMAGES * 4 // 5

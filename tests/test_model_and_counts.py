@@ -48,18 +48,18 @@ def test_documented_experiment_counts():
             "gradient_syncs": 400,
             "sync_bucket_calls": 400,
             "allreduce_bytes": 400 * GRADIENT_BYTES,
-            "buffer_broadcasts": 2 * every_buffer_syncs,
+            "buffer_broadcast_collectives": 2 * every_buffer_syncs,
             "broadcast_bytes": every_buffer_syncs * BUFFER_BYTES,
-            "rebuild_broadcasts": 2 if epoch == 1 else 0,
+            "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
         }
         assert no_sync == {
             "optimizer_steps": 100,
             "gradient_syncs": 100,
             "sync_bucket_calls": 100,
             "allreduce_bytes": 100 * GRADIENT_BYTES,
-            "buffer_broadcasts": 2 * no_sync_buffer_syncs,
+            "buffer_broadcast_collectives": 2 * no_sync_buffer_syncs,
             "broadcast_bytes": no_sync_buffer_syncs * BUFFER_BYTES,
-            "rebuild_broadcasts": 2 if epoch == 1 else 0,
+            "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
         }
 
 

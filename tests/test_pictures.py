@@ -74,7 +74,7 @@ def test_communication_picture_plots_the_counts(audited):
     image, data = picture(audited / lab.COMMUNICATION_FILE)
     assert image.size == (1096, 772)
     histories = {mode: read_json(audited / mode / "history.json") for mode in lab.MODES}
-    keys = ("gradient_syncs", "allreduce_bytes", "buffer_broadcasts", "comm_seconds")
+    keys = ("gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "comm_seconds")
     scales = (1, 1e6, 1, 1)
     for panel, key, scale in zip(data["panels"], keys, scales):
         heights = []

@@ -9,8 +9,10 @@ from PIL import Image
 from torch import nn
 
 import lab
-from conftest import assert_one_line_error, copy_runs, read_json, run_python
+from conftest import assert_ok, assert_one_line_error, copy_runs, read_json, run_python, subprocess_env, train
 from model import CLASSES
+
+COUNTS = ("optimizer_steps", "gradient_syncs", "sync_bucket_calls", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes", "rebuild_broadcast_collectives")
 
 
 @pytest.fixture
@@ -191,3 +193,77 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
 
 def test_usage_errors_exit_2(runs):
     assert_one_line_error(run_python("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")
+
+
+def test_a_sync_recorded_in_the_wrong_micro_batch(runs):
+    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[1].update(gradient_sync_positions=[[3, 36, 4], [38, 39, 1]]))
+    assert_one_line_error(
+        audit(runs),
+        "no_sync/history.json: epoch 2: gradient sync 10 of the epoch ran in the backward of micro-batch 38; "
+        "the window plan puts it in micro-batch 39's",
+        code=1,
+    )
+
+
+@pytest.mark.parametrize("positions", [[[3, 400, 4]], [[3, 40, 0]], "3:40:4", [[3, 40]]])
+def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
+    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(optimizer_step_positions=positions))
+    assert_one_line_error(audit(runs), "epoch row 1: optimizer_step_positions must be [start, stop, step] runs", code=1)
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (
+            "sync_first",
+            "epoch 1: gradient sync 1 of the epoch ran in the backward of micro-batch 0; the window plan puts it in micro-batch 3's",
+        ),
+        ("step_inside", "epoch 1: optimizer step 1 of the epoch came after micro-batch 0; the window plan puts it after micro-batch 3"),
+        ("backward_only_in_no_sync", "expected 10 gradient syncs, got 40 (epoch 1; the forward ran outside no_sync()"),
+    ],
+)
+def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, broken, message):
+    """The real train.py with a broken loop (tests/inject/sitecustomize.py); the first two keep every count of
+    syncs and steps, so only their positions give them away."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "every", runs / "every")
+    assert_ok(train(image_data, runs / "no_sync", "no_sync", "--quiet", env=subprocess_env(LAB_TEST_BROKEN_LOOP=broken)))
+    rows, correct_rows = (read_json(folder / "no_sync" / "history.json") for folder in (runs, artifacts))
+    counts = [(row["optimizer_steps"], row["gradient_syncs"]) for row in rows]
+    if broken == "backward_only_in_no_sync":
+        assert counts == [(10, 40), (10, 40)] and rows[0]["gradient_sync_positions"] == [[0, 40, 1]]
+    else:
+        assert counts == [(row["optimizer_steps"], row["gradient_syncs"]) for row in correct_rows] == [(10, 10), (10, 10)]
+    if broken == "step_inside":  # every count the audit keeps is the correct run's
+        assert [{key: row[key] for key in COUNTS} for row in rows] == [{key: row[key] for key in COUNTS} for row in correct_rows]
+    assert_one_line_error(audit(runs), f"{runs}/no_sync/history.json: {message}", code=1)
+
+
+def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, image_data, tmp_path):
+    """Rank 1 moves one weight after its 13th optimizer step (epoch 2, step 3): the counts and positions are
+    the correct run's, but the ranks' parameter fingerprints differ from that step on."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:13")))
+    rows, correct_rows = (read_json(folder / "every" / "history.json") for folder in (runs, artifacts))
+    positions = ("gradient_sync_positions", "optimizer_step_positions")
+    assert [{key: row[key] for key in COUNTS + positions} for row in rows] == [
+        {key: row[key] for key in COUNTS + positions} for row in correct_rows
+    ]
+    assert [(row["steps_with_ranks_agreed"], row["first_rank_disagreement"]) for row in rows] == [
+        (10, None),
+        (2, {"optimizer_step": 3, "differed": ["parameters"]}),
+    ]
+    assert_one_line_error(
+        audit(runs),
+        f"{runs}/every/history.json: epoch 2: at optimizer step 3 the ranks held different parameters "
+        "(agreed at 2 of 10 steps): they no longer trained one model",
+        code=1,
+    )
+
+
+def test_a_tampered_agreement_record(runs):
+    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[0].update(steps_with_ranks_agreed=9))
+    assert_one_line_error(audit(runs), "epoch 1: the ranks agreed at 9 of 10 optimizer steps, and first_rank_disagreement does not say where", code=1)

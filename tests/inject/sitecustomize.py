@@ -14,6 +14,12 @@ LAB_TEST_FAKE_GPUS ("<node>:<count>"): on that node (torchrun's GROUP_RANK) torc
 LAB_TEST_SYNC_DEBUG=1 (gpu_check.sh): torch.cuda.set_sync_debug_mode while DDP is in training mode, that is
   in train.py's training loop: "warn" in the first epoch (where DDP rebuilds its buckets once), "error" from
   the second on, so that a host synchronization in the loop stops the run; off during evaluation.
+LAB_TEST_BROKEN_LOOP: train.py runs a broken accumulation loop, to show verify.py rejecting it:
+  "sync_first" moves each window's sync to its first micro-batch, "step_inside" moves each optimizer step to
+  after the window's first micro-batch (both keep every count of syncs and steps), and
+  "backward_only_in_no_sync" enters no_sync() only after the forward, the mistake the document's FAQ warns of.
+LAB_TEST_DRIFT_AT_STEP ("<rank>:<step>"): after that rank's <step>th optimizer step one of its weights moves
+  by 1e-3, as a rank that silently stepped on something else: every count stays right.
 """
 import json
 import os
@@ -80,3 +86,54 @@ if os.environ.get("LAB_TEST_SYNC_DEBUG"):
         return original_train(self, mode)
 
     DistributedDataParallel.train = train_with_sync_debug
+
+if os.environ.get("LAB_TEST_BROKEN_LOOP") in ("sync_first", "step_inside"):
+    import dataclasses
+
+    import lab
+
+    moved_field = "sync" if os.environ["LAB_TEST_BROKEN_LOOP"] == "sync_first" else "step"
+    window_plan = lab.window_plan
+
+    def plan_with_the_flag_on_each_windows_first_micro_batch(*args, **kwargs):
+        plan = window_plan(*args, **kwargs)
+        window_starts = {0} | {index + 1 for index, micro_step in enumerate(plan) if micro_step.step}
+        return [dataclasses.replace(micro_step, **{moved_field: index in window_starts}) for index, micro_step in enumerate(plan)]
+
+    lab.window_plan = plan_with_the_flag_on_each_windows_first_micro_batch
+
+if os.environ.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    @contextlib.contextmanager
+    def no_sync_entered_after_the_forward(self):
+        # As `logits = model(x)` then `with model.no_sync(): loss.backward()`: the forward inside runs with
+        # syncing on (it arms the reducer), and syncing is turned off only once it has returned.
+        handle = self.register_forward_hook(lambda module, inputs, output: setattr(module, "require_backward_grad_sync", False))
+        try:
+            yield
+        finally:
+            handle.remove()
+            self.require_backward_grad_sync = True
+
+    DistributedDataParallel.no_sync = no_sync_entered_after_the_forward
+
+if os.environ.get("LAB_TEST_DRIFT_AT_STEP"):
+    import torch
+
+    drifting_rank, drifting_step = map(int, os.environ["LAB_TEST_DRIFT_AT_STEP"].split(":"))
+    adamw_step = torch.optim.AdamW.step
+    steps_done = 0
+
+    def step_then_drift(self, *args, **kwargs):
+        global steps_done
+        result = adamw_step(self, *args, **kwargs)
+        steps_done += 1
+        if int(os.environ.get("RANK", -1)) == drifting_rank and steps_done == drifting_step:
+            with torch.no_grad():
+                self.param_groups[0]["params"][-1][0] += 1e-3  # the classifier's first bias
+        return result
+
+    torch.optim.AdamW.step = step_then_drift

@@ -3,7 +3,8 @@
 Runs two epochs of the lab's loop and evaluation per mode under the PyTorch profiler and prints (rank 0) one
 JSON object: per mode and epoch, the audit's counts (the hook's and AuditedDDP's) next to the collectives the
 profiler saw (c10d::allreduce_, c10d::broadcast_), which are the ground truth the audit must match; and the
-hook calls per synchronized backward with DDP's default bucket size and with the lab's explicit 25 MB.
+hook calls per synchronized backward with DDP's default bucket size and with the lab's explicit 25 MB; and
+whether every rank held rank 0's BatchNorm buffers after the training loop and after the evaluation (gathered).
 """
 import json
 import sys
@@ -42,6 +43,13 @@ def hook_calls_per_sync(bucket_cap_mb, loader):
     return calls
 
 
+def buffers_equal_rank_0s(model):
+    """Every rank's BatchNorm buffers (running statistics and counters) gathered and compared with rank 0's."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [buffer.clone() for buffer in model.buffers()])
+    return all(all(torch.equal(mine, theirs) for mine, theirs in zip(gathered[0], other)) for other in gathered[1:])
+
+
 def main():
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
@@ -62,8 +70,10 @@ def main():
             sampler.set_epoch(epoch)
             before = audit.totals()
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress)
+                _, trace = train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress)
+                buffers_equal_after_training = buffers_equal_rank_0s(ddp_model.module)
                 train.evaluate(ddp_model, evaluation, criterion, CPU, nullcontext, progress, "validation")
+                buffers_equal_after_evaluation = buffers_equal_rank_0s(ddp_model.module)
             after = audit.totals()
             events = Counter(event.name for event in profiler.events())
             rows.append(
@@ -73,6 +83,8 @@ def main():
                     "audit": {key: after[key] - before[key] for key in train.CommAudit.COUNTS},
                     "profiler_allreduces": events["c10d::allreduce_"],
                     "profiler_broadcasts": events["c10d::broadcast_"],
+                    "optimizer_steps": len(trace.step_positions),
+                    "buffers_equal": {"after training": buffers_equal_after_training, "after evaluation": buffers_equal_after_evaluation},
                     "train_size": count,
                     "world_size": world_size,
                 }

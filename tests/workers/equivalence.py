@@ -1,4 +1,4 @@
-"""Started by tests/test_equivalence.py under torchrun (2 ranks, gloo, CPU, no autocast).
+"""Started by tests/test_equivalence.py under torchrun (2 ranks, gloo, CPU).
 
 Trains a few optimizer steps with the lab's own loop (train.train_epoch, train.wrap_model: DDP with the
 counting hook) in `every` and `no_sync` mode, and in one process that runs both ranks' micro-batches in order
@@ -7,12 +7,14 @@ lab.window_plan. It records the synchronized gradients before each optimizer ste
 it, and prints (rank 0) one JSON object: per precision, case and variant, the relative differences from the
 hand-made reference after each step. In float32 it also compares each mode with a reference that sums in
 that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
-divided, a step inside the window, a short window divided by accum_steps), which must differ.
+divided, a step inside the window, a short window divided by accum_steps), which must differ. Under BF16
+autocast on float32 weights (the lab's numerics) it runs the full windows with the broken plans too.
 """
 import json
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,14 +66,14 @@ def new_model(initial_state, dtype):
     return model
 
 
-def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype):
+def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
     model = new_model(initial_state, dtype)
     ddp_model, audit = train.wrap_model(model, CPU, world_size)
     optimizer = new_optimizer(ddp_model)
     record = recorder(ddp_model, optimizer)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
     progress = train.Progress(enabled=False, interval=0)
-    train.train_epoch(ddp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, nullcontext, progress)
+    train.train_epoch(ddp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, autocast, progress)
     record["gradient_syncs"] = audit.gradient_syncs
     # Every rank's parameters after each step, to check that the replicas agree.
     gathered = [torch.empty_like(record["params"][-1]) for _ in range(world_size)]
@@ -80,7 +82,7 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype):
     return record
 
 
-def reference_run(initial_state, data, world_size, dtype, summation):
+def reference_run(initial_state, data, world_size, dtype, summation, autocast):
     """One process, by hand: each window's micro-batches of every rank, the mean over the window and over the
     ranks as the gradient, one optimizer step per window (the last window may be short).
 
@@ -105,7 +107,9 @@ def reference_run(initial_state, data, world_size, dtype, summation):
     def gradient(rank, micro_batch, divisor):
         inputs, targets = data[rank_batches[rank][micro_batch]]
         inputs = inputs.contiguous(memory_format=train.MEMORY_FORMAT)  # as train.train_epoch passes them
-        return torch.autograd.grad(criterion(model(inputs), targets) / divisor, parameters)
+        with autocast():
+            loss = criterion(model(inputs), targets)
+        return torch.autograd.grad(loss / divisor, parameters)
 
     def average(rank_sums):  # the counting hook: each rank's buffer divided by world size, then summed
         return [sum(rank_sums[rank][i] / world_size for rank in range(world_size)) for i in range(len(parameters))]
@@ -187,22 +191,29 @@ def main():
     torch.manual_seed(SEED)
     initial_state = CifarCNN().state_dict()  # the same on every rank (same seed)
 
+    bfloat16_autocast = partial(torch.autocast, "cpu", dtype=torch.bfloat16)  # as train.py on CPU
+    cases = (("full_windows", 12, "error"), ("partial_window", 14, "scale"))
+    precisions = (
+        ("float64", torch.float64, nullcontext, cases),
+        ("float32", torch.float32, nullcontext, cases),
+        ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1]),
+    )
     results = {}
-    for dtype in (torch.float64, torch.float32):
-        name = str(dtype).removeprefix("torch.")
+    for name, dtype, autocast, precision_cases in precisions:
         hook_data = dataset(1, world_size, dtype)
         results[name] = {"hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)}
-        for case, micro_batches, partial_window in (("full_windows", 12, "error"), ("partial_window", 14, "scale")):
+        for case, micro_batches, partial_window in precision_cases:
             data = dataset(micro_batches, world_size, dtype)
             plan = lab.window_plan(micro_batches, ACCUM, partial_window)
-            reference = reference_run(initial_state, data, world_size, dtype, "one_sum")
-            chosen = variants(plan, partial_window) if dtype == torch.float64 else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
+            reference = reference_run(initial_state, data, world_size, dtype, "one_sum", autocast)
+            with_broken = name != "float32"
+            chosen = variants(plan, partial_window) if with_broken else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
             results[name][case] = {}
             for variant, (variant_plan, mode) in chosen.items():
-                record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype)
+                record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype, autocast)
                 results[name][case][variant] = compare(record, reference)
-                if variant in lab.MODES and dtype == torch.float32:  # the same mean, summed in the mode's order
-                    same_order = reference_run(initial_state, data, world_size, dtype, summation=mode)
+                if variant in lab.MODES and name == "float32":  # the same mean, summed in the mode's order
+                    same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
     if rank == 0:
         print(json.dumps(results), flush=True)
