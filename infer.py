@@ -8,6 +8,10 @@ files or folders (searched recursively for .png, .jpg, .jpeg) print one JSON obj
 path; a file that is not a readable image gets a line {"path", "error"} and the others go on; the exit code is
 1 if any failed. Any picture works: it is made RGB and resized to 32x32, then normalized as in training.
 The checkpoint is loaded with weights_only=True: tensors and plain data only, never pickled code.
+
+--numerics float32 (the default, as the document's infer.py) runs the model in float32; --numerics evaluation
+runs it as train.py's evaluation does (channels_last, BF16 autocast), so that its classes are the ones the
+test metrics and the confusion matrix counted. README "infer.py" says how often the two disagree.
 """
 import argparse
 import json
@@ -19,7 +23,7 @@ import torch
 from PIL import Image
 
 import lab
-from model import CLASSES, CheckpointError, inference_transform, load_checkpoint
+from model import AUTOCAST_DTYPE, CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"
 BATCH_SIZE = 256
@@ -38,6 +42,12 @@ def parse_args():
     parser.add_argument("--image", type=Path, nargs="+", required=True, help="image files and/or folders")
     parser.add_argument("--top-k", type=top_k_value, help="also list the K most likely classes")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--numerics",
+        choices=("float32", "evaluation"),
+        default="float32",
+        help="float32: the document's infer.py; evaluation: as train.py evaluates (channels_last, BF16 autocast)",
+    )
     return parser.parse_args()
 
 
@@ -92,9 +102,15 @@ def prediction(probabilities, top_k):
     return result
 
 
-def classify(model, tensors, device):
+def classify(model, tensors, device, numerics):
+    inputs = torch.stack(tensors).to(device)
     with torch.inference_mode():
-        return model(torch.stack(tensors).to(device)).float().softmax(dim=1).cpu()
+        if numerics == "evaluation":
+            with torch.autocast(device.type, dtype=AUTOCAST_DTYPE):
+                logits = model(inputs.contiguous(memory_format=MEMORY_FORMAT))
+        else:
+            logits = model(inputs)
+        return logits.float().softmax(dim=1).cpu()
 
 
 def main():
@@ -104,7 +120,7 @@ def main():
     except CheckpointError as error:
         raise lab.LabError(str(error)) from None
     device = choose_device(args.device)
-    model.to(device)
+    model.to(device, memory_format=MEMORY_FORMAT if args.numerics == "evaluation" else torch.contiguous_format)
 
     if len(args.image) == 1 and not args.image[0].is_dir():
         # One file: the document's output form.
@@ -115,7 +131,7 @@ def main():
             tensor = read_image(path)
         except (OSError, ValueError) as error:
             raise lab.LabError(f"{path}: not a readable image ({error})") from None
-        print(json.dumps(prediction(classify(model, [tensor], device)[0], args.top_k), indent=2))
+        print(json.dumps(prediction(classify(model, [tensor], device, args.numerics)[0], args.top_k), indent=2))
         return 0
 
     items = collect_images(args.image)
@@ -133,7 +149,7 @@ def main():
                     error = f"not a readable image ({read_error})"
             lines.append({"path": str(path), "error": error})
         if tensors:
-            for line_index, probabilities in zip(waiting, classify(model, tensors, device)):
+            for line_index, probabilities in zip(waiting, classify(model, tensors, device, args.numerics)):
                 lines[line_index] = {"path": lines[line_index]["path"], **prediction(probabilities, args.top_k)}
         for line in lines:
             failed += "error" in line

@@ -56,16 +56,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import lab
 import plots
-from model import CLASSES, CifarCNN
+from model import AUTOCAST_DTYPE, CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = "train.py"
 # Bounds a wait on a stuck (alive but silent) peer, each node's CIFAR-10 download (163 MB) included. A peer
 # that dies is noticed at once: torchrun stops the other processes of its node, and the closed gloo
 # connections stop the other nodes' processes.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-# The model and its inputs in NHWC: a training micro-batch runs 1.2x faster with BF16 autocast on CPU (README,
-# "Running it step by step"); the counts, the split and the equivalence tests are unchanged.
-MEMORY_FORMAT = torch.channels_last
 
 class ArgumentParser(lab.ArgumentParser):
     """Raises its one-line error instead of exiting: under torchrun a node whose options do not parse must
@@ -637,7 +634,7 @@ def run_config(args, place, sizes, source, device, backend):
         "data_fingerprint": source.fingerprint,
         "device": device.type,
         "backend": backend,
-        "autocast": "bfloat16",
+        "autocast": str(AUTOCAST_DTYPE).removeprefix("torch."),
         "bucket_cap_mb": lab.BUCKET_CAP_MB,
         "broadcast_buffers": True,
         "torch": torch.__version__,
@@ -739,7 +736,7 @@ def run(args, place):
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
 
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)

@@ -81,7 +81,7 @@ def worker(args):
     inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=train.MEMORY_FORMAT)
     targets = torch.randint(0, 10, (batch,), device=device)
     criterion = nn.CrossEntropyLoss()
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    autocast = partial(torch.autocast, device.type, dtype=train.AUTOCAST_DTYPE)
     initial_state = CifarCNN().state_dict()
 
     def fresh_model():

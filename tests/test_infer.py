@@ -3,13 +3,14 @@ import json
 import os
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 from torch import nn
 
-from conftest import assert_one_line_error, run_python
+from conftest import assert_one_line_error, read_json, run_python
 from model import CLASSES
 
 
@@ -158,3 +159,16 @@ def test_device_cuda(checkpoint, tmp_path):
 
 def test_top_k_out_of_range(checkpoint, tmp_path):
     assert_one_line_error(infer(checkpoint, tmp_path, extra=("--top-k", "0")), "argument --top-k: must be at least 1, got 0")
+
+
+def test_evaluation_numerics_give_the_evaluations_classes(checkpoint, lab_runs, image_data):
+    """--numerics evaluation on the test images: the confusion matrix of its classes is the one train.py's
+    evaluation (two ranks, channels_last, BF16 autocast) wrote into report.json, count for count."""
+    artifacts, _ = lab_runs
+    result = infer(checkpoint, image_data / "test", extra=("--numerics", "evaluation"))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    matrix = [[0] * len(CLASSES) for _ in CLASSES]
+    for line in lines:
+        matrix[CLASSES.index(Path(line["path"]).parent.name)][CLASSES.index(line["class"])] += 1
+    assert len(lines) == 200 and matrix == read_json(artifacts / "no_sync" / "report.json")["confusion_matrix"]

@@ -237,6 +237,8 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
         assert counts == [(row["optimizer_steps"], row["gradient_syncs"]) for row in correct_rows] == [(10, 10), (10, 10)]
     if broken == "step_inside":  # every count the audit keeps is the correct run's
         assert [{key: row[key] for key in COUNTS} for row in rows] == [{key: row[key] for key in COUNTS} for row in correct_rows]
+    if broken != "backward_only_in_no_sync":  # each rank stepped on its own unsynchronized gradients too
+        assert rows[0]["first_rank_disagreement"] == {"optimizer_step": 1, "differed": ["gradients", "parameters"]}
     assert_one_line_error(audit(runs), f"{runs}/no_sync/history.json: {message}", code=1)
 
 

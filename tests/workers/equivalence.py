@@ -191,7 +191,7 @@ def main():
     torch.manual_seed(SEED)
     initial_state = CifarCNN().state_dict()  # the same on every rank (same seed)
 
-    bfloat16_autocast = partial(torch.autocast, "cpu", dtype=torch.bfloat16)  # as train.py on CPU
+    bfloat16_autocast = partial(torch.autocast, "cpu", dtype=train.AUTOCAST_DTYPE)  # as train.py on CPU
     cases = (("full_windows", 12, "error"), ("partial_window", 14, "scale"))
     precisions = (
         ("float64", torch.float64, nullcontext, cases),
