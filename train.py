@@ -21,10 +21,10 @@ Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, channels_last, tensor loa
 documented settings; per rank, totals over 5 epochs; README.md "Measured results" has the whole table):
 
     | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer-broadcast collectives | epoch s | test accuracy |
-    | every   | 100         | 400         | 4468.3        | 4002              | 417.0   | 0.7063        |
-    | no_sync | 100         | 100         | 1117.1        | 1002              | 404.8   | 0.7084        |
+    | every   | 100         | 400         | 4468.3        | 4002                         | 432.8   | 0.7063        |
+    | no_sync | 100         | 100         | 1117.1        | 1002                         | 419.5   | 0.7084        |
 
-(whole-run epoch seconds vary with the shared machine: 334 to 501 s in five runs per mode.)
+(whole-run epoch seconds vary with the shared machine: 334 to 501 s in six runs per mode.)
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """
