@@ -177,8 +177,9 @@ def torchrun(nproc, *script_args, env=None):
     )
     seconds = time.perf_counter() - started
     if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise lab.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}):\n{tail}")
+        lines = result.stderr.strip().splitlines()
+        reason = [line for line in lines if ": error:" in line] or lines[-15:]  # the script's own line first
+        raise lab.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}): {' '.join(reason)}")
     return result, seconds
 
 
@@ -188,6 +189,7 @@ def lab_run(args, loader, workspace):
     _, seconds = torchrun(
         args.nproc_per_node, REPO / "train.py", "--mode", "no_sync", "--epochs", "1", "--output", output,
         "--data-dir", args.data_dir.resolve(), "--device", args.device, "--loader", loader, "--quiet",
+        "--expected-world-size", args.nproc_per_node,
     )  # fmt: skip
     (row,) = json.loads((output / lab.HISTORY_FILE).read_text())
     config = json.loads((output / lab.RUN_RECORD_FILE).read_text())["config"]
