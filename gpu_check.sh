@@ -83,7 +83,9 @@ run_mode() {  # mode, output folder
 for mode in every no_sync; do
     if run_mode "$mode" "$WORK/runs/$mode"; then
         warnings=$(grep -c "called a synchronizing CUDA operation" "$WORK/runs/$mode.err" || true)
-        passed "$mode on $DEVICE: 2 epochs; sync-debug warnings in epoch 1: $warnings; none allowed from epoch 2"
+        sync_note=""
+        [[ $DEVICE == cuda ]] && sync_note="; host syncs in epoch 1 (warned): $warnings; from epoch 2: none (an error)"
+        passed "$mode on $DEVICE: 2 epochs$sync_note"
     else
         failed "$mode on $DEVICE: $(grep -m1 -E "Error|error" "$WORK/runs/$mode.err" || tail -1 "$WORK/runs/$mode.err")"
     fi
