@@ -60,7 +60,7 @@ if [[ $DEVICE == cuda ]]; then
     "$PY" -c "import torch; print(f'{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}, BF16 supported: {torch.cuda.is_bf16_supported()}')" | tee -a "$SUMMARY"
 
     step "3. The test suite"
-    parallel=()  # 16 cores: four test files at once when pytest-xdist is there (the suite takes 9 min on 2)
+    parallel=()  # 16 cores: four test files at once when pytest-xdist is there (the suite takes 12 min on 2)
     "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadfile)
     if "$PY" -m pytest -q -x "${parallel[@]}" tests 2>&1 | tee "$RESULTS/tests.log" | tail -5; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
         passed "test suite: $(tail -1 "$RESULTS/tests.log")"
