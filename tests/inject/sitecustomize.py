@@ -35,21 +35,37 @@ if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
     if os.environ.get("LAB_TEST_CIFAR_URL"):
         CIFAR10.url = os.environ["LAB_TEST_CIFAR_URL"]
 
+def at_a_ranks_step(variable, before=None, after=None):
+    """Wrap AdamW.step: on the rank and step that `variable` names ("<rank>:<step>", steps counted from 1),
+    before(optimizer) runs ahead of the step and after(optimizer) behind it."""
+    import torch
+
+    chosen_rank, chosen_step = map(int, os.environ[variable].split(":"))
+    original_step = torch.optim.AdamW.step
+    steps_taken = [0]
+
+    def step_with_injection(self, *args, **kwargs):
+        steps_taken[0] += 1
+        chosen = int(os.environ.get("RANK", -1)) == chosen_rank and steps_taken[0] == chosen_step
+        if chosen and before:
+            before(self)
+        result = original_step(self, *args, **kwargs)
+        if chosen and after:
+            after(self)
+        return result
+
+    torch.optim.AdamW.step = step_with_injection
+
+
 if os.environ.get("LAB_TEST_RAISE_AT_STEP"):
     import torch
 
-    failing_rank, failing_step = map(int, os.environ["LAB_TEST_RAISE_AT_STEP"].split(":"))
-    original_step = torch.optim.AdamW.step
-    steps_taken = 0
+    out_of_memory = torch.OutOfMemoryError("injected by the test: out of memory in optimizer.step()")
 
-    def step_that_runs_out_of_memory(self, *args, **kwargs):
-        global steps_taken
-        steps_taken += 1
-        if int(os.environ.get("RANK", -1)) == failing_rank and steps_taken == failing_step:
-            raise torch.OutOfMemoryError("injected by the test: out of memory in optimizer.step()")
-        return original_step(self, *args, **kwargs)
+    def run_out_of_memory(optimizer):
+        raise out_of_memory
 
-    torch.optim.AdamW.step = step_that_runs_out_of_memory
+    at_a_ranks_step("LAB_TEST_RAISE_AT_STEP", before=run_out_of_memory)
 
 if os.environ.get("LAB_TEST_LOSE_GRADIENTS"):
     import torch
@@ -123,17 +139,8 @@ if os.environ.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
 if os.environ.get("LAB_TEST_DRIFT_AT_STEP"):
     import torch
 
-    drifting_rank, drifting_step = map(int, os.environ["LAB_TEST_DRIFT_AT_STEP"].split(":"))
-    adamw_step = torch.optim.AdamW.step
-    steps_done = 0
+    def drift(optimizer):
+        with torch.no_grad():
+            optimizer.param_groups[0]["params"][-1][0] += 1e-3  # the classifier's first bias
 
-    def step_then_drift(self, *args, **kwargs):
-        global steps_done
-        result = adamw_step(self, *args, **kwargs)
-        steps_done += 1
-        if int(os.environ.get("RANK", -1)) == drifting_rank and steps_done == drifting_step:
-            with torch.no_grad():
-                self.param_groups[0]["params"][-1][0] += 1e-3  # the classifier's first bias
-        return result
-
-    torch.optim.AdamW.step = step_then_drift
+    at_a_ranks_step("LAB_TEST_DRIFT_AT_STEP", after=drift)
