@@ -11,10 +11,12 @@
 #     `make test` is the way to run it).
 #  4. Synthetic data in the image-folder layout (no network needed).
 #  5. Both modes, 2 epochs, one rank on CUDA with NCCL (--expected-world-size 1), BF16 autocast, deterministic
-#     mode; torch.cuda.set_sync_debug_mode warns in epoch 1 (DDP rebuilds its buckets once there) and fails
-#     the run on any host synchronization in the training loop from epoch 2 (tests/inject/sitecustomize.py).
-#  6. verify.py --expect-from-config on the two runs.
-#  7. `every` again: its weights must equal the first run's bit for bit (deterministic mode on this device).
+#     mode, 2 windows of epoch 1 profiled (CPU and CUDA activity); torch.cuda.set_sync_debug_mode warns in
+#     epoch 1 (DDP rebuilds its buckets there, the profiler synchronizes at its edges) and fails the run on any
+#     host synchronization in the training loop from epoch 2 (tests/inject/sitecustomize.py).
+#  6. verify.py --expect-from-config on the two runs, the profiler's witness included; the timeline picture.
+#  7. `every` again, unprofiled: its weights must equal the first run's bit for bit (deterministic mode on
+#     this device, and profiling changes nothing).
 #  8. benchmarks/bench_speed.py with one process: the compute floor, each loader's training and evaluation
 #     speed (images per second), the whole process per loader.
 # Everything lands in $OUT when it is set, else in artifacts/gpu_check/; the last lines sum it up.
@@ -74,14 +76,14 @@ step "4. Synthetic data"
 
 step "5. Both modes on $DEVICE, one rank, 2 epochs"
 mkdir -p "$WORK/runs" "$WORK/rerun"
-run_mode() {  # mode, output folder
+run_mode() {  # mode, output folder, more train.py options
     local sync_debug=()
     [[ $DEVICE == cuda ]] && sync_debug=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
     "${sync_debug[@]}" "${TORCHRUN[@]}" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" --epochs 2 \
-        --expected-world-size 1 --device "$DEVICE" --progress-every 10 >"$2.out" 2>"$2.err"
+        --expected-world-size 1 --device "$DEVICE" --progress-every 10 "${@:3}" >"$2.out" 2>"$2.err"
 }
 for mode in every no_sync; do
-    if run_mode "$mode" "$WORK/runs/$mode"; then
+    if run_mode "$mode" "$WORK/runs/$mode" --profile-windows 2; then
         warnings=$(grep -c "called a synchronizing CUDA operation" "$WORK/runs/$mode.err" || true)
         sync_note=""
         [[ $DEVICE == cuda ]] && sync_note="; host syncs in epoch 1 (warned): $warnings; from epoch 2: none (an error)"
@@ -94,6 +96,7 @@ done
 
 step "6. verify.py --expect-from-config"
 if "$PY" verify.py --artifacts "$WORK/runs" --expect-from-config | tee "$RESULTS/verify.txt"; then
+    cp "$WORK/runs/timeline.png" "$WORK/runs/every/profile.json" "$RESULTS/" 2>/dev/null || true
     passed "verify: $(tail -1 "$RESULTS/verify.txt")"
 else
     failed "verify: $(tail -1 "$RESULTS/verify.txt")"

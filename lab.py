@@ -59,9 +59,13 @@ SAMPLE_FILE = "sample_test.png"
 CONFUSION_FILE = "confusion_matrix.png"
 RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and the checksum of every other file
 RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
+# Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
+PROFILE_FILE = "profile.json"
+PROFILE_TRACE_FILE = "profile_trace.json"
 # Pictures verify.py draws from both runs, next to the run folders.
 CURVES_FILE = "curves.png"
 COMMUNICATION_FILE = "communication.png"
+TIMELINE_FILE = "timeline.png"
 
 
 class LabError(Exception):
@@ -398,7 +402,7 @@ def is_replaceable_output(output):
         return True
     if not output.is_dir():
         return False
-    allowed = set(RUN_FILES) | {RUN_RECORD_FILE}
+    allowed = set(RUN_FILES) | {RUN_RECORD_FILE, PROFILE_FILE, PROFILE_TRACE_FILE}
     return all(entry.name in allowed for entry in output.iterdir())
 
 

@@ -8,10 +8,12 @@
 """
 import pickle
 import zipfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torchvision import transforms
 
 CLASSES = (
@@ -44,9 +46,40 @@ eval_transform = transforms.Compose([transforms.ToTensor(), normalize])
 inference_transform = transforms.Compose([transforms.Resize((IMAGE_SIZE, IMAGE_SIZE)), eval_transform])
 
 
+# The stages that activation checkpointing recomputes (train.py --activation-checkpointing), as [start, stop)
+# slices of CifarCNN.features: each ends where the resolution drops (the two max-pools, the global average),
+# so that a checkpoint holds one small tensor, its stage's input, in place of every activation inside it.
+STAGES = ((0, 7), (7, 14), (14, 18))
+
+
+def batchnorm_buffers(module):
+    return [buffer for layer in module.modules() if isinstance(layer, nn.modules.batchnorm._BatchNorm) for buffer in layer.buffers()]
+
+
+@contextmanager
+def statistics_kept(stage):
+    """Around a stage's recomputation: puts its BatchNorm buffers back as the forward left them. Recomputed in
+    training mode, BatchNorm would update its running statistics (and num_batches_tracked) a second time; its
+    output uses the batch's own statistics, so the recomputation is exact either way."""
+    buffers = batchnorm_buffers(stage)
+    kept = [buffer.clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, kept):
+                buffer.copy_(value)
+
+
+def recompute_context(stage):
+    """torch.utils.checkpoint's context_fn: nothing around the forward, statistics_kept around the recomputation."""
+    return nullcontext(), statistics_kept(stage)
+
+
 class CifarCNN(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, activation_checkpointing=False) -> None:
         super().__init__()
+        self.activation_checkpointing = activation_checkpointing
         self.features = nn.Sequential(
             nn.Conv2d(3, 64, kernel_size=3, padding=1, bias=False),
             nn.BatchNorm2d(64),
@@ -70,8 +103,18 @@ class CifarCNN(nn.Module):
         )
         self.classifier = nn.Linear(256, len(CLASSES))
 
+    def stages(self):
+        return [self.features[start:stop] for start, stop in STAGES]
+
     def forward(self, inputs):
-        features = self.features(inputs)
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # Non-reentrant: a stage whose input needs no gradient (the images) still gives its parameters theirs,
+            # and DDP sees each parameter's gradient once (README "Activation checkpointing").
+            features = inputs
+            for stage in self.stages():
+                features = checkpoint(stage, features, use_reentrant=False, context_fn=lambda stage=stage: recompute_context(stage))
+        else:
+            features = self.features(inputs)
         return self.classifier(features.flatten(1))
 
 

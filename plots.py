@@ -267,3 +267,76 @@ def speedup_image(title, points, curve, ceiling, caption):
     )
     draw.text((box[0], height - 22), caption, font=font(13), fill=INK, anchor="lm")
     return image, {"points": drawn, "curve": [list(pixel) for pixel in curve_pixels]}
+
+
+COMPUTE_SHADES = ((176, 196, 222), (135, 160, 196))  # alternate micro-batches, so each one's edges show
+COLLECTIVE_COLOURS = {
+    "gradient all-reduce": (214, 39, 40),
+    "rank-agreement all-reduce": (148, 103, 189),
+    "broadcast": (44, 160, 44),
+}
+
+
+def timeline_image(title, panels, caption):
+    """One accumulation window per panel, one lane per rank: the micro-batches' spans (compute) in one row and
+    the collectives' executions below them, coloured by kind, on one time axis shared by the panels.
+
+    panels: [{"title", "lanes": [{"label", "micro_batches": [[index, start, end]], "collectives": [[kind,
+    start, end]]}]}], times in seconds from the window's start. A collective shorter than 3 pixels is drawn 3
+    pixels wide, so that every one of them shows. Returns (image, data with each box's pixels)."""
+    left, right_margin, lane_height, row_height, gap = 110, 230, 74, 26, 58
+    width = 1280
+    right = width - right_margin
+    end = max(stop for panel in panels for lane in panel["lanes"] for _, _, stop in lane["micro_batches"])
+    ticks = nice_ticks(0, end * 1000)
+    scale = (right - left) / (ticks[-1] / 1000)
+    panel_heights = [len(panel["lanes"]) * lane_height + 30 for panel in panels]
+    height = 70 + sum(panel_heights) + gap * len(panels) + 70
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    small, label_font = font(12), font(13)
+
+    def x(seconds):
+        return round(left + seconds * scale)
+
+    data, top = [], 70
+    for panel, panel_height in zip(panels, panel_heights):
+        top += gap - 20
+        draw.text((left, top - 14), panel["title"], font=font(15), fill=INK, anchor="lm")
+        for tick in ticks:
+            draw.line((x(tick / 1000), top, x(tick / 1000), top + panel_height - 30), fill=GRID)
+            draw.text((x(tick / 1000), top + panel_height - 26), tick_label(tick), font=small, fill=INK, anchor="mt")
+        lanes = []
+        for number, lane in enumerate(panel["lanes"]):
+            lane_top = top + number * lane_height + 6
+            compute_row = (lane_top, lane_top + row_height)
+            collective_row = (lane_top + row_height + 6, lane_top + 2 * row_height + 6)
+            draw.text((left - 10, lane_top + row_height), lane["label"], font=label_font, fill=INK, anchor="rm")
+            compute = []
+            for shade, (index, start, stop) in enumerate(lane["micro_batches"]):
+                box = [x(start), compute_row[0], max(x(stop) - 1, x(start)), compute_row[1]]
+                draw.rectangle(box, fill=COMPUTE_SHADES[shade % 2])
+                centred_text(draw, ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2), f"micro-batch {index}", small)
+                compute.append({"index": index, "box": box})
+            collectives = []
+            for kind, start, stop in lane["collectives"]:
+                box = [x(start), collective_row[0], max(x(stop), x(start) + 2), collective_row[1]]
+                draw.rectangle(box, fill=COLLECTIVE_COLOURS[kind])
+                collectives.append({"kind": kind, "box": box})
+            counts = {kind: sum(c["kind"] == kind for c in collectives) for kind in COLLECTIVE_COLOURS}
+            summary = f"{counts['gradient all-reduce']} gradient all-reduce(s)"
+            draw.text((right + 12, compute_row[1]), summary, font=label_font, fill=COLLECTIVE_COLOURS["gradient all-reduce"], anchor="lm")
+            others = f"{counts['rank-agreement all-reduce']} rank agreement, {counts['broadcast']} broadcast(s)"
+            draw.text((right + 12, collective_row[1] + 2), others, font=small, fill=INK, anchor="lm")
+            lanes.append({"label": lane["label"], "compute": compute, "collectives": collectives, "counts": counts})
+        data.append({"title": panel["title"], "lanes": lanes})
+        top += panel_height
+    centred_text(draw, ((left + right) / 2, top + 6), "milliseconds from the window's start (each rank's own clock)", font(13))
+    legend(
+        draw,
+        (left - 40, height - 44),
+        [("micro-batch: forward, backward, step", COMPUTE_SHADES[0], None)] + [(kind, colour, None) for kind, colour in COLLECTIVE_COLOURS.items()],
+    )
+    draw.text((left - 40, height - 16), caption, font=small, fill=INK, anchor="lm")
+    return image, {"panels": data, "origin_x": left, "seconds_per_pixel": 1 / scale}

@@ -52,6 +52,7 @@ from PIL import Image
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 import data
 import lab
@@ -101,6 +102,19 @@ def parse_args(argv=None):
         type=Path,
         default=Path("data"),
         help="train/<class>/ and test/<class>/ image folders, or torchvision's CIFAR-10 (downloaded if absent)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each stage of the CNN in the backward (torch.utils.checkpoint, non-reentrant) instead of "
+        "keeping its activations: less memory, more compute, the same gradients and BatchNorm statistics",
+    )
+    parser.add_argument(
+        "--profile-windows",
+        type=lab.positive_int,
+        metavar="K",
+        help="profile K accumulation windows of epoch 1 (after one skipped and one of warm-up) with the PyTorch "
+        "profiler: a trace and a summary in the run folder, checked by verify.py against the audit",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
@@ -229,7 +243,8 @@ def shared_settings(args):
     return {
         f"--{name.replace('_', '-')}": getattr(args, name)
         for name in (
-            "mode", "epochs", "batch_size", "accum_steps", "seed", "expected_world_size", "partial_window", "device", "loader"
+            "mode", "epochs", "batch_size", "accum_steps", "seed", "expected_world_size", "partial_window", "device", "loader",
+            "activation_checkpointing", "profile_windows",
         )
     }
 
@@ -489,6 +504,131 @@ def check_ddp_settings(ddp_model):
         )
 
 
+# ----------------------------------------------------------------------------- the profiler, a second witness
+
+
+class WindowProfiler:
+    """--profile-windows K: the PyTorch profiler over K accumulation windows of epoch 1.
+
+    Window 1 is skipped and window 2 is the profiler's warm-up (DDP rebuilds its buckets in one of them, and a
+    profiler's first steps run slow); windows 3 to K + 2 are recorded. The audit's totals are read at the edges
+    of the recorded micro-batches, so that the two witnesses count the same collectives: the profiler sees the
+    c10d calls (c10d::allreduce_, c10d::broadcast_) and their executions (gloo's threads on CPU, NCCL kernels on
+    GPU), the audit its hook and AuditedDDP.
+    """
+
+    def __init__(self, windows, accum_steps, plan_length, device, audit):
+        self.first, self.stop = 2 * accum_steps, (2 + windows) * accum_steps
+        if self.stop > plan_length:
+            most = plan_length // accum_steps - 2
+            remedy = f"pass --profile-windows {most} or less" if most > 0 else "use more data or a smaller --accum-steps"
+            raise lab.LabError(
+                f"--profile-windows {windows} needs {2 + windows} windows of {accum_steps} micro-batches in an epoch "
+                f"(one skipped, one of warm-up, {windows} profiled); an epoch here has {plan_length} micro-batches: "
+                f"{remedy}"
+            )
+        self.device, self.audit = device, audit
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        recorded = schedule(skip_first=accum_steps, wait=0, warmup=accum_steps, active=windows * accum_steps, repeat=1)
+        self.profiler = profile(activities=activities, schedule=recorded)
+
+    def __enter__(self):
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exception):
+        return self.profiler.__exit__(*exception)
+
+    def span(self, name):
+        return record_function(name)
+
+    def after_micro_batch(self, index):
+        if index == self.first - 1:
+            read_clock(self.device)
+            self.audit_before = self.audit.totals()
+        elif index == self.stop - 1:
+            read_clock(self.device)
+            settle_comm_hooks()  # gloo's threads close their last events before the profiler stops
+            self.audit_after = self.audit.totals()
+        self.profiler.step()  # the schedule counts micro-batches: its step n is micro-batch n
+
+    def summary(self, rank):
+        """What this rank's profiler saw in the recorded micro-batches, and what its audit counted there.
+
+        Times are seconds from the start of the first recorded micro-batch. Each c10d call is paired, in
+        order, with its execution (gloo runs a group's collectives in the order they were called; NCCL's
+        kernels run in stream order).
+        """
+        events = self.profiler.events()
+        micro_batches = sorted((e for e in events if e.name.startswith(MICRO_BATCH_LABEL)), key=event_start)
+        origin = event_start(micro_batches[0])
+        agreement_spans = [e.time_range for e in events if e.name == RANK_AGREEMENT_LABEL]
+        calls, executions, collectives = {}, {}, []
+        for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
+            called = sorted((e for e in events if e.name == call_name), key=event_start)
+            executed = sorted((e for e in events if is_execution(e, gloo_name, nccl_word)), key=event_start)
+            calls[call_name], executions[call_name] = len(called), len(executed)
+            for call, execution in zip(called, executed):
+                kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
+                if any(span.start <= event_start(call) <= span.end for span in agreement_spans):
+                    kind = "rank-agreement all-reduce"
+                collectives.append([kind, *relative_span(execution, origin)])
+        spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
+        collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
+        for kind, start, end in collectives:
+            collective_seconds[kind] += end - start
+        # A micro-batch's compute: its span less the collectives' executions within it (on CPU the main thread
+        # waits for them at the end of a synchronized backward).
+        compute = [
+            end - start - sum(max(0.0, min(end, stop) - max(start, begin)) for _, begin, stop in collectives)
+            for _, start, end in spans
+        ]
+        return {
+            "rank": rank,
+            "calls": calls,
+            "executions": executions,
+            "collective_seconds": collective_seconds,
+            "compute_seconds_per_micro_batch": sum(compute) / len(compute),
+            "micro_batches": spans,
+            "collectives": sorted(collectives, key=lambda collective: collective[1]),
+            "audit": {key: self.audit_after[key] - self.audit_before[key] for key in self.audit_after},
+        }
+
+    def write(self, folder, place, windows):
+        """Every rank's summary to rank 0, which writes them (profile.json) and its own trace (Perfetto)."""
+        summaries = [None] * place.world_size
+        dist.all_gather_object(summaries, self.summary(place.rank))
+        if place.rank != 0:
+            return
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = Path(scratch) / lab.PROFILE_TRACE_FILE
+            self.profiler.export_chrome_trace(str(trace))
+            folder.write(lab.PROFILE_TRACE_FILE, trace.read_bytes())
+        record = {"windows": windows, "micro_batches": [self.first, self.stop], "ranks": summaries}
+        folder.write(lab.PROFILE_FILE, lab.json_bytes(record))
+
+
+MICRO_BATCH_LABEL = "micro-batch "
+RANK_AGREEMENT_LABEL = "rank agreement"
+# Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
+# (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
+COLLECTIVE_EVENTS = {"c10d::allreduce_": ("gloo:all_reduce", "AllReduce"), "c10d::broadcast_": ("gloo:broadcast", "Broadcast")}
+COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "broadcast")
+
+
+def event_start(event):
+    return event.time_range.start
+
+
+def relative_span(event, origin):
+    return [(event.time_range.start - origin) / 1e6, (event.time_range.end - origin) / 1e6]
+
+
+def is_execution(event, gloo_name, nccl_word):
+    on_gpu = event.device_type == torch.autograd.DeviceType.CUDA and event.name.startswith("nccl")
+    return event.name == gloo_name or (on_gpu and nccl_word in event.name)
+
+
 # ----------------------------------------------------------------------------- training and evaluation
 
 
@@ -519,10 +659,40 @@ class Progress:
         )
 
 
+@contextmanager
+def saved_activations(model):
+    """Count the bytes that a forward run inside this context leaves held for its backward; yields a dict
+    {storage address: bytes} to sum afterwards.
+
+    Autograd packs every tensor it saves for the backward through saved_tensors_hooks: each distinct storage is
+    counted once, the model's parameters aside (they are held anyway). Inside a checkpointed stage the
+    checkpoint's own hooks save nothing; the checkpoint holds the stage's input instead, seen here by a
+    forward pre-hook on the stage's first layer. Independent of the allocator: the same on every device.
+    """
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    held = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            held[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    entries = [stage[0] for stage in model.stages()] if model.activation_checkpointing else []
+    handles = [entry.register_forward_pre_hook(lambda module, inputs: pack(inputs[0])) for entry in entries]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield held
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @dataclass
 class EpochTrace:
     """Where one rank's epoch synchronized and stepped, and whether the ranks agreed at each step."""
 
+    saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
     sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
     agreement: list = field(default_factory=list)  # per step, on the device: [gradients agreed, parameters agreed]
@@ -538,8 +708,8 @@ class EpochTrace:
         return sum(map(all, verdicts)), {"optimizer_step": first, "differed": what}
 
 
-def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress):
-    """One epoch by the window plan.
+def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None):
+    """One epoch by the window plan (profiled in part when a WindowProfiler is given).
 
     Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: the micro-batches
     whose backward synchronized (the hook saw the last bucket) and after which the optimizer stepped, and at
@@ -552,6 +722,7 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     trace = EpochTrace()
     images = 0
+    span = profiler.span if profiler else lambda name: nullcontext()
     progress.start("train", len(plan), "micro-batches")
     for index, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True)):
         inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
@@ -559,19 +730,28 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
         syncs_before = audit.gradient_syncs
-        with ddp_model.no_sync() if suppress_sync else nullcontext():
-            with autocast():
-                logits = ddp_model(inputs)
-                raw_loss = criterion(logits, targets)
-            (raw_loss / micro_step.loss_divisor).backward()
+        with span(f"{MICRO_BATCH_LABEL}{index}"):
+            with ddp_model.no_sync() if suppress_sync else nullcontext():
+                # The first micro-batch of each epoch is measured: every full micro-batch holds the same.
+                with saved_activations(ddp_model.module) if index == 0 else nullcontext() as held:
+                    with autocast():
+                        logits = ddp_model(inputs)
+                        raw_loss = criterion(logits, targets)
+                (raw_loss / micro_step.loss_divisor).backward()
+            if index == 0:
+                trace.saved_activation_bytes = sum(held.values())
+            if micro_step.step:
+                gradients = fingerprint(p.grad for p in parameters if p.grad is not None)
+                optimizer.step()
+                with span(RANK_AGREEMENT_LABEL):
+                    trace.agreement.append(ranks_agree(gradients, parameters, audit.group))
+                optimizer.zero_grad(set_to_none=True)
         if audit.gradient_syncs != syncs_before:
             trace.sync_positions.append(index)
         if micro_step.step:
-            gradients = fingerprint(p.grad for p in parameters if p.grad is not None)
-            optimizer.step()
-            trace.agreement.append(ranks_agree(gradients, parameters, audit.group))
-            optimizer.zero_grad(set_to_none=True)
             trace.step_positions.append(index)
+        if profiler:
+            profiler.after_micro_batch(index)
         # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch).
         totals[0] += raw_loss.detach().double() * targets.size(0)
         totals[1] += logits.detach().argmax(dim=1).eq(targets).sum()
@@ -632,6 +812,7 @@ def run_config(args, place, sizes, source, device, backend):
         "data_layout": source.layout,
         "loader": args.loader,
         "data_fingerprint": source.fingerprint,
+        "activation_checkpointing": args.activation_checkpointing,
         "device": device.type,
         "backend": backend,
         "autocast": str(AUTOCAST_DTYPE).removeprefix("torch."),
@@ -641,7 +822,7 @@ def run_config(args, place, sizes, source, device, backend):
     }
 
 
-def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase_seconds, run_id, device, group):
+def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase_seconds, peak_bytes, run_id, device, group):
     """The epoch's JSON line: the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
@@ -674,6 +855,9 @@ def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase
         "optimizer_step_positions": lab.as_progressions(trace.step_positions),
         "steps_with_ranks_agreed": agreed_steps,
         "first_rank_disagreement": first_disagreement,
+        # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
+        "saved_activation_bytes": trace.saved_activation_bytes,
+        "peak_allocated_bytes": peak_bytes,
         "run_id": run_id,
     }
 
@@ -732,12 +916,16 @@ def run(args, place):
     config = run_config(args, place, split.sizes, source, device, backend)
     majority = data.majority_class([source.train_labels[index] for index in split.train])
 
-    ddp_model, audit = wrap_model(CifarCNN().to(device, memory_format=MEMORY_FORMAT), device, place.world_size, group)
+    model = CifarCNN(activation_checkpointing=args.activation_checkpointing)
+    ddp_model, audit = wrap_model(model.to(device, memory_format=MEMORY_FORMAT), device, place.world_size, group)
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
 
+    profiler = None
+    if args.profile_windows:
+        profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(plan), device, audit)
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
     run_id, started_at = lab.new_run_id(), lab.utc_now()
@@ -750,12 +938,20 @@ def run(args, place):
         split.train_sampler.set_epoch(epoch - 1)
         progress.prefix = f"epoch {epoch}/{args.epochs} "
         before = audit.totals()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         epoch_started = read_clock(device)
-        train_totals, trace = train_epoch(
-            ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress
-        )
+        profiled = profiler if epoch == 1 else None
+        try:
+            with profiled or nullcontext():
+                train_totals, trace = train_epoch(
+                    ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress, profiled
+                )
+        except RuntimeError as error:
+            raise explain_ddp_error(error) or error
         validation_started = read_clock(device)
         epoch_seconds = validation_started - epoch_started
+        peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         validation_loss, validation_accuracy, _ = evaluate(
             ddp_model, loaders.validation, criterion, device, autocast, progress, "validation", group
         )
@@ -770,6 +966,7 @@ def run(args, place):
             before,
             audit.totals(),
             (epoch_seconds, validation_seconds),
+            peak_bytes,
             run_id,
             device,
             group,
@@ -778,6 +975,8 @@ def run(args, place):
         if is_writer:
             print(json.dumps(row), flush=True)
             folder.write(lab.HISTORY_FILE, lab.json_bytes(history))  # a killed run leaves its history so far
+        if profiled:
+            profiled.write(folder, place, args.profile_windows)
 
     progress.prefix = ""
     test_loss, test_accuracy, confusion = evaluate(
@@ -789,6 +988,29 @@ def run(args, place):
         )
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     settle_comm_hooks()
+
+
+# DDP's errors when a parameter's gradient comes twice in one backward, or never: what reentrant activation
+# checkpointing does (README "Activation checkpointing"). DDP's own advice for the second,
+# find_unused_parameters=True, would hide it: the stages would train no more, silently.
+DDP_GRADIENT_ERRORS = {
+    "Expected to mark a variable ready only once": "DDP saw a parameter's gradient twice in one backward",
+    "Expected to have finished reduction in the prior iteration": "DDP found parameters that got no gradient in the last backward",
+}
+
+
+def explain_ddp_error(error):
+    """A LabError of one line for DDP's gradient errors (None for any other error)."""
+    for marker, what in DDP_GRADIENT_ERRORS.items():
+        if marker in str(error):
+            return lab.LabError(
+                f"{what} (\"{marker}\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., "
+                f"use_reentrant=False), as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing "
+                f"gives no gradient to a stage whose input needs none and, with find_unused_parameters=True, marks "
+                f"its parameters ready twice",
+                kind="RuntimeError",
+            )
+    return None
 
 
 def raise_if(error):

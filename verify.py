@@ -8,8 +8,10 @@ Without --expect-from-config the audit is the document's: 5 epochs, 100 optimize
 the runs recorded. Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
 model's parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every
 file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
-own confusion matrices. A failure is one line naming the file and what is wrong (exit 1). On success it also
-draws curves.png and communication.png next to the run folders.
+own confusion matrices. A run profiled with train.py --profile-windows K must show the profiler's c10d calls
+equal to the audit's in the profiled windows, rank by rank. A failure is one line naming the file and what is
+wrong (exit 1). On success it also draws curves.png and communication.png next to the run folders, and
+timeline.png when both runs were profiled.
 """
 import itertools
 import json
@@ -176,7 +178,31 @@ def check_history(path, mode, record, expected_config, sizes, hint):
         check_positions(path, number, row, lab.epoch_plan(expected_config), mode, hint)
         check_rank_agreement(path, number, row)
         check_counts(path, number, row, expected, mode, hint)
+        check_memory_fields(path, number, row, record["config"])
     return history
+
+
+def check_memory_fields(path, number, row, config):
+    saved, peak = row.get("saved_activation_bytes"), row.get("peak_allocated_bytes")
+    check(is_int(saved) and saved > 0, path, f"epoch row {number}: saved_activation_bytes must be a positive whole number, got {saved!r}")
+    if config.get("device") == "cuda":
+        check(is_int(peak) and peak > 0, path, f"epoch row {number}: peak_allocated_bytes must be a positive whole number on CUDA, got {peak!r}")
+    else:
+        check(peak is None, path, f"epoch row {number}: peak_allocated_bytes must be null on {config.get('device')}, got {peak!r}")
+
+
+def check_same_saved_activations(runs, artifacts):
+    """One configuration, one forward: every epoch of both modes holds the same activations per micro-batch
+    (no_sync changes when gradients are reduced, not what the forward keeps)."""
+    reference = runs["every"][0][0]["saved_activation_bytes"]
+    for mode, (history, _, _) in runs.items():
+        for row in history:
+            check(
+                row["saved_activation_bytes"] == reference,
+                artifacts / mode / lab.HISTORY_FILE,
+                f"epoch {row['epoch']} held {row['saved_activation_bytes']} bytes of activations per micro-batch, "
+                f"every's epoch 1 {reference}: the same forward must hold the same",
+            )
 
 
 def check_rank_agreement(path, number, row):
@@ -277,7 +303,7 @@ def check_report(path, mode, record):
     return report
 
 
-def check_model(path, mode, record):
+def check_model(path, mode, record, training_forwards):
     require_file(path)
     try:
         _, checkpoint = load_checkpoint(path)
@@ -285,6 +311,17 @@ def check_model(path, mode, record):
         raise AuditError(str(error)) from None
     check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}, run.json {record['run_id']}")
     check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")
+    # Rank 0's BatchNorm layers (DDP broadcasts rank 0's buffers, never into rank 0) count one update per
+    # training forward; more means their statistics were updated twice, as a recomputation can do.
+    for name, value in checkpoint["model"].items():
+        if name.endswith("num_batches_tracked"):
+            check(
+                value.item() == training_forwards,
+                path,
+                f"{name.removesuffix('.num_batches_tracked')} counted {value.item()} BatchNorm updates, the run had "
+                f"{training_forwards} training forwards: its running statistics were updated "
+                f"{'more than once per forward (a recomputation that updates them again?)' if value.item() > training_forwards else 'too rarely'}",
+            )
 
 
 def check_png(path, record, size=None):
@@ -312,14 +349,92 @@ def check_checksums(folder, record):
         )
 
 
+# ----------------------------------------------------------------------------- the profiler's witness
+
+
+def in_range(runs, first, stop):
+    return sum(first <= position < stop for position in lab.from_progressions(runs))
+
+
+def check_profile(folder, record, history):
+    """train.py --profile-windows K: the profiler's c10d calls in the recorded micro-batches of epoch 1 must
+    be the audit's for the same micro-batches, on every rank: each hook call and each rank-agreement
+    all-reduce (one per optimizer step) a c10d::allreduce_, each buffer or bucket-rebuild broadcast a
+    c10d::broadcast_; on gloo each call also executed once. Returns the profile, or None without one."""
+    path = folder / lab.PROFILE_FILE
+    if lab.PROFILE_FILE not in record["files"]:
+        check(not path.exists(), path, f"is not listed in {lab.RUN_RECORD_FILE}: it does not come from this run")
+        return None
+    profile = read_json(path)
+    config = record["config"]
+    accum_steps = config["accum_steps"]
+    windows = profile.get("windows") if isinstance(profile, dict) else None
+    check(is_int(windows) and windows > 0, path, f"windows must be a positive whole number, got {windows!r}")
+    span = [2 * accum_steps, (2 + windows) * accum_steps]
+    check(profile.get("micro_batches") == span, path, f"micro_batches must be {span} for {windows} windows of {accum_steps}")
+    ranks = profile.get("ranks")
+    check(
+        isinstance(ranks, list)
+        and [summary.get("rank") if isinstance(summary, dict) else None for summary in ranks] == list(range(config["world_size"])),
+        path,
+        f"expected one summary per rank, ranks 0 to {config['world_size'] - 1}",
+    )
+    first, stop = span
+    steps = in_range(history[0]["optimizer_step_positions"], first, stop)
+    syncs = in_range(history[0]["gradient_sync_positions"], first, stop)
+    where = f"epoch 1, micro-batches {first}-{stop - 1}"
+    for summary in ranks:
+        rank = summary["rank"]
+        audit, calls, executions = (summary.get(key) for key in ("audit", "calls", "executions"))
+        check(
+            all(isinstance(part, dict) for part in (audit, calls, executions))
+            and all(is_int(audit.get(key)) for key in COUNT_LABELS if key != "optimizer_steps")
+            and all(is_int(part.get(name)) for part in (calls, executions) for name in PROFILED_CALLS),
+            path,
+            f"rank {rank}: calls, executions and audit must hold whole-number counts",
+        )
+        check(
+            audit["gradient_syncs"] == syncs,
+            path,
+            f"rank {rank}: the audit counted {audit['gradient_syncs']} gradient syncs in {where}, the history's "
+            f"positions put {syncs} there",
+        )
+        expected = {
+            "c10d::allreduce_": (audit["sync_bucket_calls"] + steps, f"{audit['sync_bucket_calls']} hook calls + {steps} rank-agreement all-reduces"),
+            "c10d::broadcast_": (
+                audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
+                f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} bucket-rebuild collectives",
+            ),
+        }
+        for name, (count, made_of) in expected.items():
+            check(
+                calls[name] == count,
+                path,
+                f"rank {rank}: the profiler saw {calls[name]} {name} calls in {where}, the audit counted {made_of} = "
+                f"{count}: the audit and its witness disagree",
+            )
+            if config.get("backend") == "gloo":
+                check(
+                    executions[name] == calls[name],
+                    path,
+                    f"rank {rank}: {calls[name]} {name} calls but {executions[name]} executions on gloo's threads in {where}",
+                )
+    return profile
+
+
+PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
+
+
 def audit_run(folder, mode, record, expected_config, sizes, hint):
     history = check_history(folder / lab.HISTORY_FILE, mode, record, expected_config, sizes, hint)
     report = check_report(folder / lab.REPORT_FILE, mode, record)
-    check_model(folder / lab.MODEL_FILE, mode, record)
+    training_forwards = len(lab.epoch_plan(record["config"])) * record["config"]["epochs"]
+    check_model(folder / lab.MODEL_FILE, mode, record, training_forwards)
     check_png(folder / lab.SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
     check_png(folder / lab.CONFUSION_FILE, record)
     check_checksums(folder, record)
-    return history, report
+    profile = check_profile(folder, record, history)
+    return history, report, profile
 
 
 # ----------------------------------------------------------------------------- output
@@ -339,12 +454,12 @@ def ratio(numerator, denominator):
     return f"{numerator / denominator:.2f}x" if denominator else "n/a"
 
 
-def print_tables(runs):
-    every_history, every_report = runs["every"]
-    no_sync_history, no_sync_report = runs["no_sync"]
+def print_tables(runs, config):
+    every_history, every_report, _ = runs["every"]
+    no_sync_history, no_sync_report, _ = runs["no_sync"]
     print("| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |")
     print("|---|---:|---:|---:|")
-    for mode, (history, report) in runs.items():
+    for mode, (history, report, _) in runs.items():
         print(
             f"| {mode} | {per_epoch(history, 'optimizer_steps')} | {per_epoch(history, 'gradient_syncs')} | "
             f"{report['model_test_accuracy']:.4f} |"
@@ -357,7 +472,7 @@ def print_tables(runs):
         "| bucket-rebuild collectives | comm s | epoch s | images/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mode, (history, _) in runs.items():
+    for mode, (history, _, _) in runs.items():
         print(
             f"| {mode} | {total(history, 'gradient_syncs')} | {total(history, 'sync_bucket_calls')} | "
             f"{total(history, 'allreduce_bytes') / 1e6:.1f} | {total(history, 'buffer_broadcast_collectives')} | "
@@ -384,8 +499,78 @@ def print_tables(runs):
         + " | |"
     )
     print()
+    checkpointing = "on" if config.get("activation_checkpointing") else "off"
+    print("Memory per micro-batch (rank 0; activations held from the forward for the backward, saved_tensors_hooks):")
+    print("| mode | activation checkpointing | saved activations MB | peak allocated MB (CUDA, per epoch) |")
+    print("|---|---|---:|---:|")
+    for mode, (history, _, _) in runs.items():
+        peaks = [row["peak_allocated_bytes"] for row in history]
+        peak = "/".join(f"{value / 1e6:.1f}" for value in peaks) if peaks[0] is not None else "n/a (CPU)"
+        print(f"| {mode} | {checkpointing} | {history[0]['saved_activation_bytes'] / 1e6:.2f} | {peak} |")
+    print()
     print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
     print("top confusions:", no_sync_report["top_confusions"])
+
+
+def print_witness(runs):
+    profiled = {mode: profile for mode, (_, _, profile) in runs.items() if profile}
+    if not profiled:
+        return
+    print()
+    print("The profiler as witness, epoch 1's recorded micro-batches, per rank (seconds: the profiler's executions")
+    print("of the gradient all-reduces and broadcasts, the audit's comm_seconds for the same micro-batches):")
+    print(
+        "| mode | micro-batches | rank | c10d::allreduce_ (profiler) | hook calls + steps (audit) | c10d::broadcast_ "
+        "(profiler) | broadcast collectives (audit) | collective s (profiler) | comm s (audit) | compute s per micro-batch |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, profile in profiled.items():
+        first, stop = profile["micro_batches"]
+        steps = profile["windows"]
+        for summary in profile["ranks"]:
+            audit, calls, seconds = summary["audit"], summary["calls"], summary["collective_seconds"]
+            print(
+                f"| {mode} | {first}-{stop - 1} | {summary['rank']} | {calls['c10d::allreduce_']} | "
+                f"{audit['sync_bucket_calls']} + {steps} | {calls['c10d::broadcast_']} | "
+                f"{audit['buffer_broadcast_collectives'] + audit['rebuild_broadcast_collectives']} | "
+                f"{seconds['gradient all-reduce'] + seconds['broadcast']:.4f} | {audit['comm_seconds']:.4f} | "
+                f"{summary['compute_seconds_per_micro_batch']:.4f} |"
+            )
+
+
+def first_window(profile, accum_steps):
+    """The first recorded window of each rank: its micro-batches and the collectives that start in it."""
+    first = profile["micro_batches"][0]
+    lanes = []
+    for summary in profile["ranks"]:
+        spans = [span for span in summary["micro_batches"] if first <= span[0] < first + accum_steps]
+        window_end = max(stop for _, _, stop in spans)
+        collectives = [collective for collective in summary["collectives"] if collective[1] <= window_end]
+        lanes.append({"label": f"rank {summary['rank']}", "micro_batches": spans, "collectives": collectives})
+    return lanes
+
+
+def draw_timeline(artifacts, runs, records, text):
+    path = artifacts / lab.TIMELINE_FILE
+    unprofiled = [mode for mode, (_, _, profile) in runs.items() if profile is None]
+    if unprofiled:
+        if len(unprofiled) < len(runs):
+            print(f"note: {lab.TIMELINE_FILE} needs both runs profiled (train.py --profile-windows K); {', '.join(unprofiled)} was not")
+        path.unlink(missing_ok=True)  # a timeline of earlier runs would not show these
+        return None
+    accum_steps = records["every"]["config"]["accum_steps"]
+    panels = []
+    for mode, (_, _, profile) in runs.items():
+        first = profile["micro_batches"][0]
+        title = f"{mode}: window {first // accum_steps + 1} of epoch 1 (micro-batches {first}-{first + accum_steps - 1})"
+        panels.append({"title": title, "lanes": first_window(profile, accum_steps)})
+    caption = (
+        f"The PyTorch profiler's record (train.py --profile-windows): one accumulation window of {accum_steps} "
+        f"micro-batches per mode; collectives as executed ({records['every']['config']['backend']})."
+    )
+    image, data = plots.timeline_image("One accumulation window: every vs no_sync", panels, caption)
+    lab.write_atomic(path, lab.png_bytes(image, {**text, "data": json.dumps(data)}))
+    return path
 
 
 def draw_pictures(artifacts, runs, records):
@@ -394,7 +579,7 @@ def draw_pictures(artifacts, runs, records):
     for metric, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
         series = [
             {"label": f"{mode} {split}", "mode": mode, "dashed": split == "validation", "values": [row[f"{split}_{metric}"] for row in history]}
-            for mode, (history, _) in runs.items()
+            for mode, (history, _, _) in runs.items()
             for split in ("train", "validation")
         ]
         curves.append({"title": f"{metric} per epoch", "y_label": label, "series": series})
@@ -408,11 +593,12 @@ def draw_pictures(artifacts, runs, records):
         ("comm_seconds", "time in collectives per epoch", "seconds (mean over ranks)", 1),
     ]
     bars = [
-        {"title": title, "y_label": unit, "bars": {mode: [row[key] / scale for row in history] for mode, (history, _) in runs.items()}}
+        {"title": title, "y_label": unit, "bars": {mode: [row[key] / scale for row in history] for mode, (history, _, _) in runs.items()}}
         for key, title, unit, scale in panels
     ]
     image, data = plots.bar_panels("Communication: every vs no_sync", bars)
     lab.write_atomic(artifacts / lab.COMMUNICATION_FILE, lab.png_bytes(image, {**text, "data": json.dumps(data)}))
+    return draw_timeline(artifacts, runs, records, text)
 
 
 def main():
@@ -441,9 +627,12 @@ def main():
     runs = {
         mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, hint) for mode in lab.MODES
     }
-    print_tables(runs)
-    draw_pictures(artifacts, runs, records)
-    print(f"pictures: {artifacts / lab.CURVES_FILE}, {artifacts / lab.COMMUNICATION_FILE}")
+    check_same_saved_activations(runs, artifacts)
+    print_tables(runs, config)
+    print_witness(runs)
+    timeline = draw_pictures(artifacts, runs, records)
+    pictures = [artifacts / lab.CURVES_FILE, artifacts / lab.COMMUNICATION_FILE] + ([timeline] if timeline else [])
+    print(f"pictures: {', '.join(map(str, pictures))}")
     every_syncs = total(runs["every"][0], "gradient_syncs")
     no_sync_syncs = total(runs["no_sync"][0], "gradient_syncs")
     print(f"AUDIT PASSED: no_sync reduced gradient synchronizations by {every_syncs / no_sync_syncs:g}x")

@@ -117,12 +117,17 @@ def image_data(tmp_path_factory):
     return root
 
 
+# The shared runs profile 2 windows of epoch 1 (micro-batches 8-15: window 1 skipped, window 2 the warm-up).
+PROFILED = ["--profile-windows", "2"]
+
+
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory, image_data):
-    """Both modes trained once on the image-folder data: every with progress lines, no_sync with --quiet."""
+    """Both modes trained once on the image-folder data, profiled (PROFILED): every with progress lines,
+    no_sync with --quiet. The reruns in test_e2e.py, unprofiled, must match them bit for bit."""
     artifacts = tmp_path_factory.mktemp("runs") / "artifacts"
     results = {
-        "every": assert_ok(train(image_data, artifacts / "every", "every", "--progress-every", "0")),
-        "no_sync": assert_ok(train(image_data, artifacts / "no_sync", "no_sync", "--quiet")),
+        "every": assert_ok(train(image_data, artifacts / "every", "every", *PROFILED, "--progress-every", "0")),
+        "no_sync": assert_ok(train(image_data, artifacts / "no_sync", "no_sync", *PROFILED, "--quiet")),
     }
     return artifacts, results

@@ -96,8 +96,9 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
     for mode in EXPECTED:
         folder = artifacts / mode
         record = read_json(folder / lab.RUN_RECORD_FILE)
-        assert sorted(path.name for path in folder.iterdir()) == sorted([*lab.RUN_FILES, lab.RUN_RECORD_FILE])
-        assert sorted(record["files"]) == sorted(lab.RUN_FILES)
+        profile_files = [lab.PROFILE_FILE, lab.PROFILE_TRACE_FILE]  # the shared runs are profiled (conftest)
+        assert sorted(path.name for path in folder.iterdir()) == sorted([*lab.RUN_FILES, *profile_files, lab.RUN_RECORD_FILE])
+        assert sorted(record["files"]) == sorted([*lab.RUN_FILES, *profile_files])
         for name, entry in record["files"].items():
             assert entry["sha256"] == lab.sha256_file(folder / name)
         checkpoint = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
@@ -127,6 +128,11 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     assert any(line.startswith("| every | 10 | 40 | ") for line in lines)
     assert any(line.startswith("| no_sync | 10 | 10 | ") for line in lines)
     assert any(line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.86x | 3.86x | 1.00x |") for line in lines), lines
+    # The profiler's witness, per rank: every's 2 windows 8 gradient all-reduces + 2 rank-agreement
+    # all-reduces and 16 buffer broadcasts (2 dtypes x 8 synchronized forwards); no_sync's 2 + 2 and 4.
+    for rank in (0, 1):
+        assert any(line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in lines), lines
+        assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in lines), lines
     assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
 
 
@@ -159,10 +165,14 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
 
 @pytest.mark.parametrize("mode", ["every", "no_sync"])
 def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path, mode):
-    """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix."""
+    """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix.
+    The first run was profiled and the rerun is not: profiling changes nothing, and without the option nothing
+    is profiled."""
     artifacts, _ = lab_runs
     assert_ok(train(image_data, tmp_path / mode, mode, "--quiet"))
     folders = (artifacts / mode, tmp_path / mode)
+    assert (folders[0] / lab.PROFILE_FILE).is_file()
+    assert not (folders[1] / lab.PROFILE_FILE).exists() and not (folders[1] / lab.PROFILE_TRACE_FILE).exists()
     first, second = (read_json(folder / "history.json") for folder in folders)
     assert [{k: v for k, v in row.items() if k not in TIMING} for row in first] == [
         {k: v for k, v in row.items() if k not in TIMING} for row in second

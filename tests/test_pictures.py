@@ -7,7 +7,7 @@ from PIL import Image
 
 import lab
 from conftest import copy_runs, read_json, run_python
-from plots import MODE_COLOURS
+from plots import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,26 @@ def test_communication_picture_plots_the_counts(audited):
         pixels_per_unit = max(h for h, _ in heights) / max(v for _, v in heights)
         for height, value in heights:
             assert abs(height - value * pixels_per_unit) <= 1.5, (panel["title"], height, value)
+
+
+def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
+    """every's window holds 4 gradient all-reduces on each rank, no_sync's 1; each drawn at its time."""
+    image, data = picture(audited / lab.TIMELINE_FILE)
+    assert [panel["title"] for panel in data["panels"]] == [
+        "every: window 3 of epoch 1 (micro-batches 8-11)",
+        "no_sync: window 3 of epoch 1 (micro-batches 8-11)",
+    ]
+    for panel, mode, gradient_all_reduces in zip(data["panels"], lab.MODES, (4, 1)):
+        profile = read_json(audited / mode / lab.PROFILE_FILE)
+        assert [lane["label"] for lane in panel["lanes"]] == ["rank 0", "rank 1"]
+        for lane, summary in zip(panel["lanes"], profile["ranks"]):
+            assert lane["counts"] == {"gradient all-reduce": gradient_all_reduces, "rank-agreement all-reduce": 1, "broadcast": 2 * gradient_all_reduces}
+            assert [c["index"] for c in lane["compute"]] == [8, 9, 10, 11]
+            seconds = {index: start for index, start, _ in summary["micro_batches"]}
+            for drawn in lane["compute"]:  # one time scale: a micro-batch's left edge at its start
+                assert abs(drawn["box"][0] - (data["origin_x"] + seconds[drawn["index"]] / data["seconds_per_pixel"])) <= 1
+            for index, drawn in enumerate(lane["collectives"]):
+                x0, y0, x1, y1 = drawn["box"]
+                centre = ((x0 + x1) // 2, (y0 + y1) // 2)
+                covered = any(later["box"][0] <= centre[0] <= later["box"][2] for later in lane["collectives"][index + 1 :])
+                assert covered or image.getpixel(centre) == COLLECTIVE_COLOURS[drawn["kind"]], drawn

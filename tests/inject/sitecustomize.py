@@ -20,6 +20,9 @@ LAB_TEST_BROKEN_LOOP: train.py runs a broken accumulation loop, to show verify.p
   "backward_only_in_no_sync" enters no_sync() only after the forward, the mistake the document's FAQ warns of.
 LAB_TEST_DRIFT_AT_STEP ("<rank>:<step>"): after that rank's <step>th optimizer step one of its weights moves
   by 1e-3, as a rank that silently stepped on something else: every count stays right.
+LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoints each stage with
+  use_reentrant=True (the images need no gradient, so the stages get none); "statistics_twice" recomputes the
+  stages without putting their BatchNorm buffers back (their statistics are updated twice per forward).
 """
 import json
 import os
@@ -144,3 +147,20 @@ if os.environ.get("LAB_TEST_DRIFT_AT_STEP"):
             optimizer.param_groups[0]["params"][-1][0] += 1e-3  # the classifier's first bias
 
     at_a_ranks_step("LAB_TEST_DRIFT_AT_STEP", after=drift)
+
+if os.environ.get("LAB_TEST_CHECKPOINT") == "reentrant":
+    import torch.utils.checkpoint
+
+    reentrant_checkpoint = torch.utils.checkpoint.checkpoint
+
+    def checkpoint_reentrant(function, *args, use_reentrant=None, context_fn=None, **kwargs):
+        return reentrant_checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = checkpoint_reentrant  # before model.py imports it
+
+if os.environ.get("LAB_TEST_CHECKPOINT") == "statistics_twice":
+    from contextlib import nullcontext
+
+    import model
+
+    model.recompute_context = lambda stage: (nullcontext(), nullcontext())
