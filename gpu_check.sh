@@ -19,6 +19,8 @@
 #     this device, and profiling changes nothing).
 #  8. benchmarks/bench_speed.py with one process: the compute floor, each loader's training and evaluation
 #     speed (images per second), the whole process per loader.
+#  9. benchmarks/bench_checkpointing.py: saved-activation bytes, time and CUDA peak memory per micro-batch
+#     size, plain and with activation checkpointing.
 # Everything lands in $OUT when it is set, else in artifacts/gpu_check/; the last lines sum it up.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -122,6 +124,14 @@ if "$PY" benchmarks/bench_speed.py --data-dir "$WORK/data" --nproc-per-node 1 --
     passed "bench_speed: table in speed.txt"
 else
     failed "bench_speed (speed.txt)"
+fi
+
+step "9. Activation checkpointing: memory and time per micro-batch size, one process"
+if "$PY" benchmarks/bench_checkpointing.py --device "$DEVICE" --output "$RESULTS/checkpointing.json" \
+    | tee "$RESULTS/checkpointing.txt"; then
+    passed "bench_checkpointing: table in checkpointing.txt"
+else
+    failed "bench_checkpointing (checkpointing.txt)"
 fi
 
 echo

@@ -1,0 +1,124 @@
+"""Activation checkpointing: the memory it saves against the compute it costs, per micro-batch size.
+
+    .venv/bin/python benchmarks/bench_checkpointing.py                      # CPU: one thread, as one lab rank
+    .venv/bin/python benchmarks/bench_checkpointing.py --device cuda        # one GPU, with its peak memory
+
+For each micro-batch size, CifarCNN plain and with its stages checkpointed (model.STAGES, non-reentrant, as
+train.py --activation-checkpointing), in turns: the bytes held from a forward for its backward (counted by
+train.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
+backward at the lab's numerics (BF16 autocast, channels_last; median over repeats), and on CUDA the peak
+allocated memory of a micro-batch. No DDP: checkpointing changes nothing that crosses between the ranks (the
+gradients and their buckets are the same), which the lab's runs show by their counts. The table is printed
+and written with everything measured to artifacts/bench/checkpointing.json.
+"""
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import lab  # noqa: E402
+import train  # noqa: E402
+from bench_speed import machine  # noqa: E402
+from model import AUTOCAST_DTYPE, MEMORY_FORMAT, CifarCNN  # noqa: E402
+
+SCRIPT = "bench_checkpointing.py"
+
+
+def parse_args():
+    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=lab.positive_int, nargs="+", default=[50, 100, 200, 400], metavar="N")
+    parser.add_argument("--micro-batches", type=lab.positive_int, default=4, help="micro-batches per timed sample")
+    parser.add_argument("--repeats", type=lab.positive_int, default=3, help="timed samples per size and variant")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--output", type=Path, default=Path("artifacts/bench/checkpointing.json"))
+    return parser.parse_args()
+
+
+def measure(network, batch_size, args, device):
+    """Saved-activation bytes, seconds per micro-batch (samples), and on CUDA the peak allocated bytes."""
+    inputs = torch.randn(batch_size, 3, 32, 32, device=device).contiguous(memory_format=MEMORY_FORMAT)
+    targets = torch.randint(0, 10, (batch_size,), device=device)
+    autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
+
+    def micro_batch():
+        with autocast():
+            loss = nn.functional.cross_entropy(network(inputs), targets)
+        loss.backward()
+
+    with train.saved_activations(network) as held:
+        with autocast():
+            loss = nn.functional.cross_entropy(network(inputs), targets)
+    loss.backward()  # also the warm-up
+    del loss
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        micro_batch()
+        peak = torch.cuda.max_memory_allocated(device)
+    samples = []
+    for _ in range(args.repeats):
+        started = train.read_clock(device)
+        for _ in range(args.micro_batches):
+            micro_batch()
+        samples.append((train.read_clock(device) - started) / args.micro_batches)
+    network.zero_grad(set_to_none=True)
+    return {"saved_activation_bytes": sum(held.values()), "seconds_per_micro_batch": samples, "peak_allocated_bytes": peak}
+
+
+def main():
+    args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        lab.exit_with(lab.LabError("--device cuda: no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)"), SCRIPT)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one lab rank: torchrun gives each process one thread
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    networks = {
+        "plain": CifarCNN().to(device, memory_format=MEMORY_FORMAT),
+        "checkpointed": CifarCNN(activation_checkpointing=True).to(device, memory_format=MEMORY_FORMAT),
+    }
+    rows = []
+    for batch_size in args.batch_sizes:
+        results = {name: measure(network, batch_size, args, device) for name, network in networks.items()}
+        for name, result in results.items():
+            result["median_seconds"] = statistics.median(result["seconds_per_micro_batch"])
+        rows.append({"batch_size": batch_size, **results})
+    print(
+        f"CifarCNN forward + backward on {device.type} ({torch.get_num_threads()} thread(s)), BF16 autocast, "
+        f"channels_last; median of {args.repeats} x {args.micro_batches} micro-batches"
+    )
+    print(
+        "| micro-batch | saved activations MB, plain | checkpointed | saved / checkpointed | ms, plain | "
+        "checkpointed | recompute cost | peak MB (CUDA), plain | checkpointed |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        plain, checkpointed = row["plain"], row["checkpointed"]
+        peaks = [f"{r['peak_allocated_bytes'] / 1e6:.1f}" if r["peak_allocated_bytes"] else "n/a" for r in (plain, checkpointed)]
+        print(
+            f"| {row['batch_size']} | {plain['saved_activation_bytes'] / 1e6:.2f} | "
+            f"{checkpointed['saved_activation_bytes'] / 1e6:.2f} | "
+            f"{plain['saved_activation_bytes'] / checkpointed['saved_activation_bytes']:.1f}x | "
+            f"{plain['median_seconds'] * 1000:.1f} | {checkpointed['median_seconds'] * 1000:.1f} | "
+            f"{checkpointed['median_seconds'] / plain['median_seconds'] - 1:+.0%} | {peaks[0]} | {peaks[1]} |"
+        )
+    report = {
+        "machine": machine(device.type),
+        "settings": {"batch_sizes": args.batch_sizes, "micro_batches": args.micro_batches, "repeats": args.repeats, "threads": torch.get_num_threads()},
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    lab.write_atomic(args.output, lab.json_bytes(report))
+    print(f"\nwritten: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
