@@ -17,6 +17,10 @@ and time; an AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no h
 Data come from data.py: by default (--loader tensor) decoded once, held on the training device and augmented
 there in whole batches; --loader pil is the document's per-image PIL pipeline.
 
+The document's next experiments: --profile-windows K records K windows of epoch 1 with the PyTorch profiler,
+a second witness that verify.py holds against the audit; --activation-checkpointing recomputes the CNN's
+stages in the backward (model.STAGES), with the same gradients, BatchNorm statistics and communication.
+
 Measured (2 CPU ranks on 2 cores, gloo, BF16 autocast, channels_last, tensor loader, real CIFAR-10 as JPEG,
 documented settings; per rank, totals over 5 epochs; README.md "Measured results" has the whole table):
 
