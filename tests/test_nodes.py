@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lab
-from conftest import REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env
+from conftest import PROFILED, REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env
 from test_faults import rank_pid
 
 NODE_FAILURE_SECONDS = 60
@@ -69,7 +69,7 @@ def two_node_runs(tmp_path_factory, image_data):
     folders = node_folders(tmp_path_factory.mktemp("nodes"), image_data)
     node_stderr = [{}, {}]
     for mode in ("every", "no_sync"):
-        results, _ = two_nodes(folders, *same_run(mode))
+        results, _ = two_nodes(folders, *same_run(mode, PROFILED))  # profiled, as the one-node runs
         for node, result in enumerate(results):
             node_stderr[node][mode] = assert_ok(result).stderr
     return folders, node_stderr
@@ -101,6 +101,10 @@ def test_verify_passes_on_a_two_node_pair(two_node_runs):
     result = run_python("verify.py", "--artifacts", node0 / "artifacts", "--expect-from-config")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
+    # The profiler's witness of both nodes' ranks, gathered by rank 0 on node 0.
+    for rank in (0, 1):
+        assert any(line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in result.stdout.splitlines())
+        assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in result.stdout.splitlines())
 
 
 def assert_both_nodes_stop(results, seconds, *fragments):
