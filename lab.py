@@ -62,6 +62,9 @@ RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
 PROFILE_FILE = "profile.json"
 PROFILE_TRACE_FILE = "profile_trace.json"
+# The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's own
+# all-reduce of the ranks' fingerprints after each step, and DDP's broadcasts.
+COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "broadcast")
 # Pictures verify.py draws from both runs, next to the run folders.
 CURVES_FILE = "curves.png"
 COMMUNICATION_FILE = "communication.png"

@@ -578,7 +578,7 @@ class WindowProfiler:
                     kind = "rank-agreement all-reduce"
                 collectives.append([kind, *relative_span(execution, origin)])
         spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
-        collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
+        collective_seconds = {kind: 0.0 for kind in lab.COLLECTIVE_KINDS}
         for kind, start, end in collectives:
             collective_seconds[kind] += end - start
         # A micro-batch's compute: its span less the collectives' executions within it (on CPU the main thread
@@ -617,7 +617,6 @@ RANK_AGREEMENT_LABEL = "rank agreement"
 # Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
 # (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
 COLLECTIVE_EVENTS = {"c10d::allreduce_": ("gloo:all_reduce", "AllReduce"), "c10d::broadcast_": ("gloo:broadcast", "Broadcast")}
-COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "broadcast")
 
 
 def event_start(event):

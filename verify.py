@@ -393,6 +393,7 @@ def check_profile(folder, record, history):
             path,
             f"rank {rank}: calls, executions and audit must hold whole-number counts",
         )
+        check_profile_spans(path, rank, summary)
         check(
             audit["gradient_syncs"] == syncs,
             path,
@@ -423,6 +424,25 @@ def check_profile(folder, record, history):
 
 
 PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
+
+
+def check_profile_spans(path, rank, summary):
+    """What the witness table and the timeline read: times as numbers, spans as [label, start, end]."""
+    seconds, micro_batches, collectives = (summary.get(key) for key in ("collective_seconds", "micro_batches", "collectives"))
+    check(
+        isinstance(seconds, dict) and all(is_number(seconds.get(kind)) for kind in lab.COLLECTIVE_KINDS)
+        and is_number(summary.get("compute_seconds_per_micro_batch")) and is_number(summary["audit"].get("comm_seconds")),
+        path,
+        f"rank {rank}: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers",
+    )
+    check(
+        isinstance(micro_batches, list) and micro_batches
+        and all(isinstance(span, list) and len(span) == 3 and is_int(span[0]) and is_number(span[1]) and is_number(span[2]) for span in micro_batches)
+        and isinstance(collectives, list)
+        and all(isinstance(span, list) and len(span) == 3 and span[0] in lab.COLLECTIVE_KINDS and is_number(span[1]) and is_number(span[2]) for span in collectives),
+        path,
+        f"rank {rank}: micro_batches must be [index, start, end] and collectives [kind, start, end] spans",
+    )
 
 
 def audit_run(folder, mode, record, expected_config, sizes, hint):

@@ -13,7 +13,6 @@ and written with everything measured to artifacts/bench/checkpointing.json.
 """
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 

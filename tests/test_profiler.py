@@ -110,3 +110,16 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
         "an epoch here has 40 micro-batches: pass --profile-windows 8 or less",
     )
     assert not (tmp_path / "out").exists() and lab.unfinished_runs(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda summary: summary.pop("collectives"), "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans"),
+        (lambda summary: summary["micro_batches"][0].pop(), "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans"),
+        (lambda summary: summary["collective_seconds"].update(broadcast="fast"), "rank 1: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers"),
+    ],
+)
+def test_a_profile_with_malformed_spans_is_one_line(runs, change, message):
+    reseal(runs / "every", lab.PROFILE_FILE, lambda profile: change(profile["ranks"][1]))
+    assert_one_line_error(audit(runs), f"{runs}/every/profile.json: {message}", code=1)
