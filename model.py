@@ -9,6 +9,7 @@
 import pickle
 import zipfile
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -112,7 +113,7 @@ class CifarCNN(nn.Module):
             # and DDP sees each parameter's gradient once (README "Activation checkpointing").
             features = inputs
             for stage in self.stages():
-                features = checkpoint(stage, features, use_reentrant=False, context_fn=lambda stage=stage: recompute_context(stage))
+                features = checkpoint(stage, features, use_reentrant=False, context_fn=partial(recompute_context, stage))
         else:
             features = self.features(inputs)
         return self.classifier(features.flatten(1))

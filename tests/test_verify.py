@@ -269,3 +269,24 @@ def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, im
 def test_a_tampered_agreement_record(runs):
     edit_json(runs / "no_sync" / "history.json", lambda rows: rows[0].update(steps_with_ranks_agreed=9))
     assert_one_line_error(audit(runs), "epoch 1: the ranks agreed at 9 of 10 optimizer steps, and first_rank_disagreement does not say where", code=1)
+
+
+def test_memory_fields_of_the_wrong_kind(runs):
+    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(peak_allocated_bytes=5))
+    assert_one_line_error(audit(runs), "epoch row 1: peak_allocated_bytes must be null on cpu, got 5", code=1)
+    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(peak_allocated_bytes=None, saved_activation_bytes=0))
+    assert_one_line_error(audit(runs), "epoch row 1: saved_activation_bytes must be a positive whole number, got 0", code=1)
+
+
+def test_saved_activations_that_differ_between_the_modes(runs):
+    """Resealed, as someone who wanted to fool the audit would: each file alone is consistent."""
+    from test_profiler import reseal
+
+    every = read_json(runs / "every" / "history.json")[0]["saved_activation_bytes"]
+    reseal(runs / "no_sync", "history.json", lambda rows: rows[1].update(saved_activation_bytes=every // 2))
+    assert_one_line_error(
+        audit(runs),
+        f"{runs}/no_sync/history.json: epoch 2 held {every // 2} bytes of activations per micro-batch, every's epoch 1 "
+        f"{every}: the same forward must hold the same",
+        code=1,
+    )
