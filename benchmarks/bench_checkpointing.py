@@ -45,14 +45,15 @@ def measure(network, batch_size, args, device):
     targets = torch.randint(0, 10, (batch_size,), device=device)
     autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
 
-    def micro_batch():
+    def forward():
         with autocast():
-            loss = nn.functional.cross_entropy(network(inputs), targets)
-        loss.backward()
+            return nn.functional.cross_entropy(network(inputs), targets)
+
+    def micro_batch():
+        forward().backward()
 
     with train.saved_activations(network) as held:
-        with autocast():
-            loss = nn.functional.cross_entropy(network(inputs), targets)
+        loss = forward()
     loss.backward()  # also the warm-up
     del loss
     peak = None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import train
-from conftest import run_python
+from conftest import assert_one_line_error, run_python
 from model import AUTOCAST_DTYPE, MEMORY_FORMAT, CifarCNN
 
 
@@ -38,3 +38,9 @@ def test_each_size_is_measured_both_ways(tmp_path):
     assert lines[1].startswith("| micro-batch | saved activations MB, plain | checkpointed |")
     assert [line.split(" | ")[0] for line in lines[3:5]] == ["| 4", "| 8"]
     assert lines[-1] == f"written: {output}"
+
+
+def test_cuda_without_a_gpu_is_one_line():
+    """The tests' subprocesses see no GPU (conftest.subprocess_env)."""
+    result = run_python("benchmarks/bench_checkpointing.py", "--device", "cuda")
+    assert_one_line_error(result, "bench_checkpointing.py: error: --device cuda: no GPU is visible", code=2)
