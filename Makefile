@@ -1,6 +1,7 @@
 # ddp-no-sync-lab. The two commands: `make lab` runs the experiment, `make test` runs the tests.
 # Others: `make quick` (the whole pipeline on small synthetic data, no network), `make check` (what this
-# machine has and which way the lab will run), `make clean` (removes the lab's outputs and .venv).
+# machine has and which way the lab will run), `make compat TORCH=x.y.z` (make quick and the suite on another
+# torch, in its own environment), `make clean` (removes the lab's outputs and environments).
 # DATA=path uses another dataset folder (image folders or torchvision's CIFAR-10), e.g. an offline copy.
 
 LAB_DIR := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
@@ -13,7 +14,7 @@ ARTIFACTS ?= artifacts
 QUICK_DATA := data/synthetic
 QUICK := artifacts/quick
 
-.PHONY: lab quick test check clean
+.PHONY: lab quick test check compat compat-run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,20 +37,39 @@ lab: $(VENV)/.requirements
 
 # The same pipeline in about a minute: 2,000 + 500 synthetic images, 3 epochs, audited against its own
 # configuration.
-quick: $(VENV)/.requirements
+define quick_pipeline
 	test -d $(QUICK_DATA) || $(PY) synthetic_data.py --out $(QUICK_DATA) --train-source 2000 --test 500
 	$(TRAIN) --mode every --output $(QUICK)/every --data-dir $(QUICK_DATA) --epochs 3
 	$(TRAIN) --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3
 	$(PY) verify.py --artifacts $(QUICK) --expect-from-config
 	$(PY) infer.py --checkpoint $(QUICK)/no_sync/model.pt --image $(QUICK)/no_sync/sample_test.png
+endef
 
+quick: $(VENV)/.requirements
+	$(quick_pipeline)
+
+# The 15 slowest tests are listed at the end of every run, so that a slow one shows itself.
 test: $(VENV)/.requirements-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 check: $(VENV)/.requirements
 	$(PY) check_env.py
 
+# Another torch in its own environment (.venv-torch-X.Y.Z; pip picks the torchvision made for it): make quick
+# and the suite there. Not part of CI (it installs a second torch); its results are in docs/speed.md.
+compat:
+	@test -n "$(TORCH)" || { echo "make compat: name the version, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
+	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
+	.venv-torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)" torchvision \
+		$$(grep -h -E '^(pillow|pytest)==' requirements.txt requirements-dev.txt)
+	$(MAKE) --no-print-directory compat-run VENV=.venv-torch-$(TORCH) QUICK=artifacts/quick-torch-$(TORCH)
+
+compat-run:
+	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+	$(quick_pipeline)
+	$(PY) -m pytest -q --durations=15 tests
+
 # Only the lab's own outputs, in the lab's own folder (as the document's clean-up does).
 clean:
 	cd "$(LAB_DIR)" && test -f train.py && test -f model.py && \
-	rm -rf artifacts data .venv __pycache__ tests/__pycache__ .pytest_cache
+	rm -rf artifacts data .venv .venv-torch-* __pycache__ tests/__pycache__ .pytest_cache

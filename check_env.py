@@ -5,8 +5,9 @@
     python check_env.py --lab-device          # only 'cuda' or 'cpu': what train.py --device auto will take
 
 train.py's device policy (lab.node_device) decides per node: GPUs (NCCL, one process per GPU) when the node
-has at least one visible GPU per process it runs, else CPU (gloo). BF16 autocast is used on both; this check
-runs a small BF16 convolution to show it works here.
+has at least one visible GPU per process it runs, else CPU (gloo). The precision (precision.py) follows the
+device: BF16 autocast where it computes BF16 natively, float32 elsewhere; this check prints the decision and
+why, as train.py does at start-up.
 """
 import platform
 import shutil
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 import torchvision
 
-from lab import DOCUMENTED, TORCHVISION_FOLDER, ArgumentParser, is_image_folder_tree, node_device, positive_int
+from lab import DOCUMENTED, TORCHVISION_FOLDER, ArgumentParser, LabError, exit_with, is_image_folder_tree, node_device, positive_int
+from precision import choose_precision
 
 DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
 
@@ -28,13 +30,6 @@ def os_name():
             if line.startswith("PRETTY_NAME="):
                 return line.split("=", 1)[1].strip('"')
     return platform.platform()
-
-
-def bf16_autocast_works(device):
-    convolution = torch.nn.Conv2d(3, 8, 3).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        output = convolution(torch.randn(2, 3, 32, 32, device=device))
-    return output.dtype == torch.bfloat16
 
 
 def data_status(data_dir):
@@ -67,16 +62,18 @@ def main():
     print(f"GPU count:        {gpus}" + "".join(f"\n  GPU {i}: {torch.cuda.get_device_name(i)}" for i in range(gpus)))
     if gpus:
         print(f"BF16 (GPU):       {torch.cuda.is_bf16_supported()}")
-    print(f"BF16 autocast on CPU works: {bf16_autocast_works(torch.device('cpu'))}")
+    print(f"CPU capability:   {torch.backends.cpu.get_cpu_capability()}")
+    precision = choose_precision("auto", torch.device(device))
+    print(f"precision:        {precision.reason}")
     free = shutil.disk_usage(".").free / 1e9
     print(f"free disk here:   {free:.1f} GB (the data needs about {DATA_GIGABYTES} GB)")
     print(f"data:             {data_status(args.data_dir)}")
     print()
     if device == "cuda":
-        print(f"The lab will run on GPUs: {processes} process(es) here, one per GPU, NCCL, BF16 autocast.")
+        print(f"The lab will run on GPUs: {processes} process(es) here, one per GPU, NCCL, {precision.description}.")
     else:
         print(
-            f"The lab will run on CPU: {processes} process(es) here with gloo, BF16 autocast on CPU "
+            f"The lab will run on CPU: {processes} process(es) here with gloo, {precision.description} "
             f"({gpus} GPU(s) visible; the GPU path needs {processes})."
         )
     if free < DATA_GIGABYTES:
@@ -84,4 +81,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except LabError as error:
+        exit_with(error, "check_env.py")

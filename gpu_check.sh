@@ -1,46 +1,54 @@
 #!/usr/bin/env bash
-# The lab's CUDA path checked in one go, on a machine with one GPU (sized to fit 10 minutes with 16 cores):
+# The lab's CUDA path checked in one go on a machine with one GPU, within 8 minutes (16 cores, torch preinstalled,
+# no network):
 #
-#     bash gpu_check.sh              # on the GPU machine
-#     bash gpu_check.sh --cpu-only   # the same steps on CPU, the CUDA-only ones skipped: checks the script itself
+#     bash gpu_check.sh                  # on the GPU machine: GPU steps, then the CPU test suite
+#     bash gpu_check.sh --skip-suite     # the GPU steps only
+#     bash gpu_check.sh --cpu-only       # the same steps on CPU, the CUDA-only ones skipped: checks the script itself
 #
-#  1. Python: the requirements are installed into .venv unless this Python has torch, torchvision, Pillow and
-#     pytest already (a machine without network keeps its own; the versions are printed).
-#  2. The GPU: name, memory, torch's CUDA and NCCL versions.
-#  3. The test suite (the CPU suite, which must pass on a GPU machine too; skipped with --cpu-only, where
-#     `make test` is the way to run it).
-#  4. Synthetic data in the image-folder layout (no network needed).
-#  5. Both modes, 2 epochs, one rank on CUDA with NCCL (--expected-world-size 1), BF16 autocast, deterministic
+#  1. Python: this machine's own torch, torchvision and Pillow when it has them (no install, no network needed;
+#     pytest only for step 9), else requirements-dev.txt into .venv. The versions are printed.
+#  2. The GPU: name, memory, torch's CUDA and NCCL versions, the precision `auto` takes.
+#  3. Synthetic data in the image-folder layout.
+#  4. Both modes, 2 epochs, one rank on CUDA with NCCL (--expected-world-size 1), precision auto, deterministic
 #     mode, 2 windows of epoch 1 profiled (CPU and CUDA activity); torch.cuda.set_sync_debug_mode warns in
 #     epoch 1 (DDP rebuilds its buckets there, the profiler synchronizes at its edges) and fails the run on any
 #     host synchronization in the training loop from epoch 2 (tests/inject/sitecustomize.py).
-#  6. verify.py --expect-from-config on the two runs, the profiler's witness included; the timeline picture.
-#  7. `every` again, unprofiled: its weights must equal the first run's bit for bit (deterministic mode on
-#     this device, and profiling changes nothing).
-#  8. benchmarks/bench_speed.py with one process: the compute floor, each loader's training and evaluation
-#     speed (images per second), the whole process per loader.
-#  9. benchmarks/bench_checkpointing.py: saved-activation bytes, time and CUDA peak memory per micro-batch
-#     size, plain and with activation checkpointing.
-# Everything lands in $OUT when it is set, else in artifacts/gpu_check/; the last lines sum it up.
+#  5. verify.py --expect-from-config on the two runs, the profiler's witness included; the timeline picture.
+#  6. `every` again, unprofiled: its weights must equal the first run's bit for bit.
+#  7. Both modes, 1 epoch, --activation-checkpointing: verify.py passes, with the peak memory per epoch.
+#  8. benchmarks/bench_speed.py (one process: floor, each loader) and benchmarks/bench_checkpointing.py
+#     (saved activations, time and CUDA peak memory per micro-batch size).
+#  9. The test suite (the CPU suite, which must pass on a GPU machine too; with pytest-xdist when present), last
+#     and only within what is left of the 8 minutes; skipped with --skip-suite or --cpu-only (`make test` runs it).
+# At most 8 files land in $OUT when it is set, else in artifacts/gpu_check/: summary.txt (every step's verdict and
+# the benchmark tables), verify.txt, train.log (every run's stderr), speed.json, checkpointing.json,
+# timeline.png, profile.json (every's profiled windows), tests.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+BUDGET_SECONDS=480
 DEVICE=cuda
-if [[ "${1:-}" == "--cpu-only" ]]; then
-    DEVICE=cpu
-elif [[ $# -gt 0 ]]; then
-    echo "gpu_check.sh: unknown option $1 (the only one is --cpu-only)" >&2
-    exit 2
-fi
+RUN_SUITE=1
+for option in "$@"; do
+    case $option in
+        --cpu-only) DEVICE=cpu; RUN_SUITE=0 ;;
+        --skip-suite) RUN_SUITE=0 ;;
+        *) echo "gpu_check.sh: unknown option $option (the options are --skip-suite and --cpu-only)" >&2; exit 2 ;;
+    esac
+done
 RESULTS=${OUT:-artifacts/gpu_check}
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$RESULTS"
 SUMMARY="$RESULTS/summary.txt"
+TRAIN_LOG="$RESULTS/train.log"
 : >"$SUMMARY"
+: >"$TRAIN_LOG"
 export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo  # one machine: loopback only
+START=$SECONDS
 
-step() { echo; echo "== $* ($(date +%T))"; }
+step() { echo; echo "== $* ($((SECONDS - START)) s)"; }
 passed() { echo "PASSED  $*" | tee -a "$SUMMARY"; }
 failed() { echo "FAILED  $*" | tee -a "$SUMMARY"; FAILURES=$((FAILURES + 1)); }
 FAILURES=0
@@ -48,7 +56,7 @@ FAILURES=0
 step "1. Python"
 if [[ -x .venv/bin/python ]]; then
     PY=.venv/bin/python
-elif python3 -c "import torch, torchvision, PIL, pytest" 2>/dev/null; then
+elif python3 -c "import torch, torchvision, PIL" 2>/dev/null; then
     PY=python3
 else
     python3 -m venv .venv
@@ -58,54 +66,53 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1)
 "$PY" -c "import sys, torch, torchvision, PIL; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, torchvision {torchvision.__version__}, Pillow {PIL.__version__}')" | tee -a "$SUMMARY"
 
+step "2. The device"
 if [[ $DEVICE == cuda ]]; then
-    step "2. The GPU"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY" || true
-    "$PY" -c "import torch; print(f'{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}, BF16 supported: {torch.cuda.is_bf16_supported()}')" | tee -a "$SUMMARY"
-
-    step "3. The test suite"
-    parallel=()  # 16 cores: four test files at once when pytest-xdist is there (the suite takes 12 min on 2)
-    "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadfile)
-    if "$PY" -m pytest -q -x "${parallel[@]}" tests 2>&1 | tee "$RESULTS/tests.log" | tail -5; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-        passed "test suite: $(tail -1 "$RESULTS/tests.log")"
-    else
-        failed "test suite: $(tail -1 "$RESULTS/tests.log") (tests.log)"
-    fi
+    "$PY" -c "import torch; print(f'{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}')" | tee -a "$SUMMARY"
 fi
+"$PY" -c "import torch, precision; print('precision auto:', precision.choose_precision('auto', torch.device('$DEVICE', 0 if '$DEVICE' == 'cuda' else None)).reason)" | tee -a "$SUMMARY"
 
-step "4. Synthetic data"
+step "3. Synthetic data"
 "$PY" synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000
 
-step "5. Both modes on $DEVICE, one rank, 2 epochs"
-mkdir -p "$WORK/runs" "$WORK/rerun"
-run_mode() {  # mode, output folder, more train.py options
+run_mode() {  # mode, output folder, more train.py options; its stderr is appended to train.log
     local sync_debug=()
     [[ $DEVICE == cuda ]] && sync_debug=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
-    "${sync_debug[@]}" "${TORCHRUN[@]}" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" --epochs 2 \
+    echo "== train.py --mode $1 --output $2 ${*:3}" >>"$TRAIN_LOG"
+    "${sync_debug[@]}" "${TORCHRUN[@]}" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" \
         --expected-world-size 1 --device "$DEVICE" --progress-every 10 "${@:3}" >"$2.out" 2>"$2.err"
+    local status=$?
+    cat "$2.err" >>"$TRAIN_LOG"
+    return $status
 }
+first_error() { grep -m1 -E "Error|error" "$1" || tail -1 "$1"; }
+
+step "4. Both modes on $DEVICE, one rank, 2 epochs, profiled"
+mkdir -p "$WORK/runs" "$WORK/rerun" "$WORK/checkpointed"
 for mode in every no_sync; do
-    if run_mode "$mode" "$WORK/runs/$mode" --profile-windows 2; then
-        warnings=$(grep -c "called a synchronizing CUDA operation" "$WORK/runs/$mode.err" || true)
+    if run_mode "$mode" "$WORK/runs/$mode" --epochs 2 --profile-windows 2; then
         sync_note=""
-        [[ $DEVICE == cuda ]] && sync_note="; host syncs in epoch 1 (warned): $warnings; from epoch 2: none (an error)"
+        if [[ $DEVICE == cuda ]]; then
+            warnings=$(grep -c "called a synchronizing CUDA operation" "$WORK/runs/$mode.err" || true)
+            sync_note="; host syncs in epoch 1 (warned): $warnings; from epoch 2: none (an error)"
+        fi
         passed "$mode on $DEVICE: 2 epochs$sync_note"
     else
-        failed "$mode on $DEVICE: $(grep -m1 -E "Error|error" "$WORK/runs/$mode.err" || tail -1 "$WORK/runs/$mode.err")"
+        failed "$mode on $DEVICE: $(first_error "$WORK/runs/$mode.err")"
     fi
-    cp "$WORK/runs/$mode.err" "$RESULTS/$mode.stderr.txt" || true
 done
 
-step "6. verify.py --expect-from-config"
-if "$PY" verify.py --artifacts "$WORK/runs" --expect-from-config | tee "$RESULTS/verify.txt"; then
+step "5. verify.py --expect-from-config"
+if "$PY" verify.py --artifacts "$WORK/runs" --expect-from-config >"$RESULTS/verify.txt" 2>&1; then
     cp "$WORK/runs/timeline.png" "$WORK/runs/every/profile.json" "$RESULTS/" 2>/dev/null || true
     passed "verify: $(tail -1 "$RESULTS/verify.txt")"
 else
     failed "verify: $(tail -1 "$RESULTS/verify.txt")"
 fi
 
-step "7. A rerun of every, bit for bit"
-if run_mode every "$WORK/rerun/every" && "$PY" - "$WORK/runs/every/model.pt" "$WORK/rerun/every/model.pt" <<'EOF'
+step "6. A rerun of every, bit for bit"
+if run_mode every "$WORK/rerun/every" --epochs 2 && "$PY" - "$WORK/runs/every/model.pt" "$WORK/rerun/every/model.pt" <<'EOF'
 import sys, torch
 first, second = (torch.load(path, weights_only=True)["model"] for path in sys.argv[1:])
 differing = [name for name in first if not torch.equal(first[name], second[name])]
@@ -115,27 +122,57 @@ EOF
 then
     passed "rerun of every: identical weights"
 else
-    failed "rerun of every: weights differ (or the rerun failed: $WORK/rerun/every.err)"
+    failed "rerun of every: weights differ, or the rerun failed ($(first_error "$WORK/rerun/every.err"))"
 fi
 
-step "8. Speed: floor and each loader, one process"
+step "7. Activation checkpointing, both modes, 1 epoch"
+checkpointed_ok=1
+for mode in every no_sync; do
+    run_mode "$mode" "$WORK/checkpointed/$mode" --epochs 1 --activation-checkpointing || checkpointed_ok=0
+done
+if [[ $checkpointed_ok == 1 ]] && "$PY" verify.py --artifacts "$WORK/checkpointed" --expect-from-config >"$WORK/checkpointed.txt" 2>&1; then
+    passed "activation checkpointing: $(grep -E '^\| no_sync \| on \|' "$WORK/checkpointed.txt" || true) $(tail -1 "$WORK/checkpointed.txt")"
+else
+    failed "activation checkpointing: $(tail -1 "$WORK/checkpointed.txt" 2>/dev/null || first_error "$WORK/checkpointed/no_sync.err")"
+fi
+
+step "8. Benchmarks: speed (floor and each loader) and activation checkpointing, one process"
 if "$PY" benchmarks/bench_speed.py --data-dir "$WORK/data" --nproc-per-node 1 --device "$DEVICE" --output "$RESULTS/speed.json" \
-    | tee "$RESULTS/speed.txt"; then
-    passed "bench_speed: table in speed.txt"
+    >"$WORK/speed.txt" 2>&1; then
+    passed "bench_speed:"
+    cat "$WORK/speed.txt" >>"$SUMMARY"
 else
-    failed "bench_speed (speed.txt)"
+    failed "bench_speed: $(tail -1 "$WORK/speed.txt")"
+fi
+if "$PY" benchmarks/bench_checkpointing.py --device "$DEVICE" --output "$RESULTS/checkpointing.json" >"$WORK/checkpointing.txt" 2>&1; then
+    passed "bench_checkpointing:"
+    cat "$WORK/checkpointing.txt" >>"$SUMMARY"
+else
+    failed "bench_checkpointing: $(tail -1 "$WORK/checkpointing.txt")"
 fi
 
-step "9. Activation checkpointing: memory and time per micro-batch size, one process"
-if "$PY" benchmarks/bench_checkpointing.py --device "$DEVICE" --output "$RESULTS/checkpointing.json" \
-    | tee "$RESULTS/checkpointing.txt"; then
-    passed "bench_checkpointing: table in checkpointing.txt"
-else
-    failed "bench_checkpointing (checkpointing.txt)"
+if [[ $RUN_SUITE == 1 ]]; then
+    left=$((BUDGET_SECONDS - (SECONDS - START) - 15))
+    step "9. The test suite, within the $left s left"
+    if ! "$PY" -c "import pytest" 2>/dev/null; then
+        echo "SKIPPED test suite: pytest is not installed here" | tee -a "$SUMMARY"
+    elif [[ $left -lt 60 ]]; then
+        echo "SKIPPED test suite: $left s left of the budget" | tee -a "$SUMMARY"
+    else
+        parallel=()  # 16 cores: several test files at once when pytest-xdist is there
+        "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 6 --dist loadfile)
+        if timeout "$left" "$PY" -m pytest -q "${parallel[@]}" tests >"$RESULTS/tests.log" 2>&1; then
+            passed "test suite: $(tail -1 "$RESULTS/tests.log")"
+        elif [[ $? == 124 ]]; then
+            echo "UNFINISHED test suite: stopped at the budget after $left s (tests.log)" | tee -a "$SUMMARY"
+        else
+            failed "test suite: $(tail -1 "$RESULTS/tests.log") (tests.log)"
+        fi
+    fi
 fi
 
 echo
-echo "== Summary ($DEVICE)"
+echo "== Summary ($DEVICE, $((SECONDS - START)) s)" | tee -a "$SUMMARY"
 cat "$SUMMARY"
-[[ $FAILURES -eq 0 ]] && echo "GPU CHECK PASSED" || echo "GPU CHECK FAILED: $FAILURES step(s)"
+if [[ $FAILURES -eq 0 ]]; then echo "GPU CHECK PASSED" | tee -a "$SUMMARY"; else echo "GPU CHECK FAILED: $FAILURES step(s)" | tee -a "$SUMMARY"; fi
 exit $((FAILURES > 0))

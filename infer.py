@@ -10,8 +10,9 @@ path; a file that is not a readable image gets a line {"path", "error"} and the 
 The checkpoint is loaded with weights_only=True: tensors and plain data only, never pickled code.
 
 --numerics float32 (the default, as the document's infer.py) runs the model in float32; --numerics evaluation
-runs it as train.py's evaluation does (channels_last, BF16 autocast), so that its classes are the ones the
-test metrics and the confusion matrix counted. README "infer.py" says how often the two disagree.
+runs it as train.py's evaluation does (channels_last, in the precision the run recorded in model.pt, or
+--precision), so that its classes are the ones the test metrics and the confusion matrix counted. The docs say
+how often the two disagree.
 """
 import argparse
 import json
@@ -23,7 +24,8 @@ import torch
 from PIL import Image
 
 import lab
-from model import AUTOCAST_DTYPE, CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
+from precision import PRECISIONS, choose_precision
+from model import CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"
 BATCH_SIZE = 256
@@ -46,9 +48,24 @@ def parse_args():
         "--numerics",
         choices=("float32", "evaluation"),
         default="float32",
-        help="float32: the document's infer.py; evaluation: as train.py evaluates (channels_last, BF16 autocast)",
+        help="float32: the document's infer.py; evaluation: as train.py evaluates (channels_last, the run's precision)",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="with --numerics evaluation: the precision to evaluate in (default: the one the run trained and "
+        "evaluated in, recorded in model.pt)",
+    )
+    args = parser.parse_args()
+    if args.precision and args.numerics != "evaluation":
+        parser.error("--precision applies to --numerics evaluation (--numerics float32 is float32 by definition)")
+    return args
+
+
+def evaluation_precision(requested, checkpoint, device):
+    """--numerics evaluation's Precision: --precision, else the run's own (checkpoints written before the lab
+    recorded it were trained in BF16 autocast)."""
+    return choose_precision(requested or checkpoint.get("precision", "bf16"), device)
 
 
 def choose_device(requested):
@@ -102,11 +119,12 @@ def prediction(probabilities, top_k):
     return result
 
 
-def classify(model, tensors, device, numerics):
+def classify(model, tensors, device, precision):
+    """Probabilities per image: in float32 (precision None), or as train.py evaluates in `precision`."""
     inputs = torch.stack(tensors).to(device)
     with torch.inference_mode():
-        if numerics == "evaluation":
-            with torch.autocast(device.type, dtype=AUTOCAST_DTYPE):
+        if precision is not None:
+            with precision.autocast(device.type):
                 logits = model(inputs.contiguous(memory_format=MEMORY_FORMAT))
         else:
             logits = model(inputs)
@@ -116,10 +134,14 @@ def classify(model, tensors, device, numerics):
 def main():
     args = parse_args()
     try:
-        model, _ = load_checkpoint(args.checkpoint)
+        model, checkpoint = load_checkpoint(args.checkpoint)
     except CheckpointError as error:
         raise lab.LabError(str(error)) from None
     device = choose_device(args.device)
+    precision = None
+    if args.numerics == "evaluation":
+        precision = evaluation_precision(args.precision, checkpoint, device)
+        print(f"{SCRIPT}: precision: {precision.reason}", file=sys.stderr)
     model.to(device, memory_format=MEMORY_FORMAT if args.numerics == "evaluation" else torch.contiguous_format)
 
     if len(args.image) == 1 and not args.image[0].is_dir():
@@ -131,7 +153,7 @@ def main():
             tensor = read_image(path)
         except (OSError, ValueError) as error:
             raise lab.LabError(f"{path}: not a readable image ({error})") from None
-        print(json.dumps(prediction(classify(model, [tensor], device, args.numerics)[0], args.top_k), indent=2))
+        print(json.dumps(prediction(classify(model, [tensor], device, precision)[0], args.top_k), indent=2))
         return 0
 
     items = collect_images(args.image)
@@ -149,7 +171,7 @@ def main():
                     error = f"not a readable image ({read_error})"
             lines.append({"path": str(path), "error": error})
         if tensors:
-            for line_index, probabilities in zip(waiting, classify(model, tensors, device, args.numerics)):
+            for line_index, probabilities in zip(waiting, classify(model, tensors, device, precision)):
                 lines[line_index] = {"path": lines[line_index]["path"], **prediction(probabilities, args.top_k)}
         for line in lines:
             failed += "error" in line

@@ -61,7 +61,8 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 import data
 import lab
 import plots
-from model import AUTOCAST_DTYPE, CLASSES, MEMORY_FORMAT, CifarCNN
+from precision import PRECISIONS, choose_precision
+from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = "train.py"
 # Bounds a wait on a stuck (alive but silent) peer, each node's CIFAR-10 download (163 MB) included. A peer
@@ -94,6 +95,12 @@ def parse_args(argv=None):
         help="a last window shorter than --accum-steps: stop (error) or divide its losses by its length (scale)",
     )
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="auto: BF16 autocast where the device computes BF16 natively, float32 elsewhere (precision.py)",
+    )
     parser.add_argument(
         "--loader",
         choices=data.LOADERS,
@@ -248,13 +255,14 @@ def shared_settings(args):
         f"--{name.replace('_', '-')}": getattr(args, name)
         for name in (
             "mode", "epochs", "batch_size", "accum_steps", "seed", "expected_world_size", "partial_window", "device", "loader",
-            "activation_checkpointing", "profile_windows",
+            "precision", "activation_checkpointing", "profile_windows",
         )
     }
 
 
 def start_up(args, place):
-    """Settings, device, output and data, agreed by every rank before training. Returns (device, data source)."""
+    """Settings, device, precision, output and data, agreed by every rank before training. Returns (device,
+    precision, the hardware of every node, data source)."""
 
     def settle_here():
         device_type = choose_device(args.device, place)
@@ -281,6 +289,7 @@ def start_up(args, place):
     if device_type == "cuda":
         torch.cuda.set_device(place.local_rank)
     device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
+    precision, hardware = agree_on_precision(args, place, device)
     # One process per node fetches the data for its node; the node's other processes wait here for it.
     agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 else None)
     source = agree(place, lambda: data.load_data(args.data_dir))
@@ -290,7 +299,26 @@ def start_up(args, place):
         f"its data in {args.data_dir}/ differ",
         "give every node the same copy of the dataset",
     )
-    return device, source
+    return device, precision, hardware, source
+
+
+def agree_on_precision(args, place, device):
+    """Every rank's --precision decision must be rank 0's: nodes of unlike CPUs would otherwise train in
+    different numerics under `auto`. Returns the Precision and the distinct hardware of all ranks."""
+    precision = agree(place, lambda: choose_precision(args.precision, device))
+    gathered = [None] * place.world_size
+    dist.all_gather_object(gathered, (place.rank, place.node, precision))
+    reference = gathered[0][2]
+    for rank, node, theirs in gathered[1:]:
+        if theirs.name != reference.name:
+            raise lab.LabError(
+                f"{ranks_label(rank, node)} its precision differs from rank 0's: {theirs.name} on a {theirs.hardware} "
+                f"vs {reference.name} on a {reference.hardware}; pass the same --precision on every node (fp32 runs "
+                f"at full speed anywhere, bf16 only where every node has BF16 instructions)"
+            )
+    if place.local_rank == 0:
+        print(f"{SCRIPT}: precision: {precision.reason}", file=sys.stderr)
+    return precision, sorted({theirs.hardware for _, _, theirs in gathered})
 
 
 @contextmanager
@@ -799,7 +827,7 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
 # ----------------------------------------------------------------------------- one run
 
 
-def run_config(args, place, sizes, source, device, backend):
+def run_config(args, place, sizes, source, device, backend, precision, hardware):
     """Everything that must match between the two runs for their comparison to mean anything."""
     return {
         "world_size": place.world_size,
@@ -818,7 +846,8 @@ def run_config(args, place, sizes, source, device, backend):
         "activation_checkpointing": args.activation_checkpointing,
         "device": device.type,
         "backend": backend,
-        "autocast": str(AUTOCAST_DTYPE).removeprefix("torch."),
+        "precision": precision.name,
+        "hardware": hardware,  # every node's (verify.py prints it; it may differ between the two runs)
         "bucket_cap_mb": lab.BUCKET_CAP_MB,
         "broadcast_buffers": True,
         "torch": torch.__version__,
@@ -880,7 +909,14 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
         "run_id": run_id,
         "config": config,
     }
-    checkpoint = {"model": model.state_dict(), "classes": CLASSES, "seed": args.seed, "run_id": run_id, "mode": args.mode}
+    checkpoint = {
+        "model": model.state_dict(),
+        "classes": CLASSES,
+        "seed": args.seed,
+        "run_id": run_id,
+        "mode": args.mode,
+        "precision": config["precision"],
+    }
     folder.write(lab.MODEL_FILE, lab.torch_bytes(checkpoint))
     folder.write(lab.REPORT_FILE, lab.json_bytes(report))
     folder.write(lab.SAMPLE_FILE, lab.png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
@@ -906,7 +942,7 @@ def make_optimizer(parameters, device):
 
 
 def run(args, place):
-    device, source = start_up(args, place)
+    device, precision, hardware, source = start_up(args, place)
     # gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL.
     group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if device.type == "cuda" else None
     backend = dist.get_backend(group)
@@ -916,7 +952,7 @@ def run(args, place):
         args.loader, source, split, args.batch_size, place.rank, place.world_size, device, args.seed + place.rank
     )
     plan = lab.window_plan(len(loaders.train), args.accum_steps, args.partial_window)
-    config = run_config(args, place, split.sizes, source, device, backend)
+    config = run_config(args, place, split.sizes, source, device, backend, precision, hardware)
     majority = data.majority_class([source.train_labels[index] for index in split.train])
 
     model = CifarCNN(activation_checkpointing=args.activation_checkpointing)
@@ -924,7 +960,7 @@ def run(args, place):
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
+    autocast = partial(precision.autocast, device.type)
 
     profiler = None
     if args.profile_windows:

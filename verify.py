@@ -23,6 +23,7 @@ from PIL import Image
 import lab
 import plots
 from model import CLASSES, CheckpointError, CifarCNN, IMAGE_SIZE, load_checkpoint
+from precision import NUMERICS
 
 SCRIPT = "verify.py"
 COUNT_LABELS = {
@@ -137,14 +138,20 @@ def read_run_record(folder, mode):
     for key in CONFIG_COUNTS:
         check(is_int(config.get(key)) and config[key] > 0, path, f"config {key} must be a positive whole number, got {config.get(key)!r}")
     check(config.get("partial_window") in lab.PARTIAL_WINDOW_POLICIES, path, f"config partial_window {config.get('partial_window')!r} is unknown")
+    check(config.get("precision") in NUMERICS, path, f"config precision {config.get('precision')!r} is neither bf16 nor fp32")
     return record
+
+
+# What a run records of the machines it ran on: printed, not compared (the same experiment may run each mode
+# on other hardware, in the same precision).
+DESCRIPTIVE_CONFIG = {"hardware"}
 
 
 def compare_configs(every_record, no_sync_record, artifacts):
     every_config, no_sync_config = every_record["config"], no_sync_record["config"]
     differences = [
         f"{key}: {every_config.get(key)!r} vs {no_sync_config.get(key)!r}"
-        for key in sorted(set(every_config) | set(no_sync_config))
+        for key in sorted((set(every_config) | set(no_sync_config)) - DESCRIPTIVE_CONFIG)
         if every_config.get(key) != no_sync_config.get(key)
     ]
     if differences:
@@ -627,6 +634,8 @@ def main():
     records = {mode: read_run_record(artifacts / mode, mode) for mode in lab.MODES}
     for mode, record in records.items():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
+        config = record["config"]
+        print(f"  precision {config.get('precision')} on {', '.join(config.get('hardware') or ['?'])}")
         for note in describe_unfinished(artifacts / mode):
             print(f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest")
     compare_configs(records["every"], records["no_sync"], artifacts)

@@ -6,7 +6,7 @@
 For each micro-batch size, CifarCNN plain and with its stages checkpointed (model.STAGES, non-reentrant, as
 train.py --activation-checkpointing), in turns: the bytes held from a forward for its backward (counted by
 train.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
-backward at the lab's numerics (BF16 autocast, channels_last; median over repeats), and on CUDA the peak
+backward at the lab's numerics (--precision, channels_last; median over repeats), and on CUDA the peak
 allocated memory of a micro-batch. No DDP: checkpointing changes nothing that crosses between the ranks (the
 gradients and their buckets are the same), which the lab's runs show by their counts. The table is printed
 and written with everything measured to artifacts/bench/checkpointing.json.
@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 import lab  # noqa: E402
 import train  # noqa: E402
 from bench_speed import machine  # noqa: E402
-from model import AUTOCAST_DTYPE, MEMORY_FORMAT, CifarCNN  # noqa: E402
+from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
+from precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_checkpointing.py"
 
@@ -35,15 +36,16 @@ def parse_args():
     parser.add_argument("--micro-batches", type=lab.positive_int, default=4, help="micro-batches per timed sample")
     parser.add_argument("--repeats", type=lab.positive_int, default=3, help="timed samples per size and variant")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument("--output", type=Path, default=Path("artifacts/bench/checkpointing.json"))
     return parser.parse_args()
 
 
-def measure(network, batch_size, args, device):
+def measure(network, batch_size, args, device, precision):
     """Saved-activation bytes, seconds per micro-batch (samples), and on CUDA the peak allocated bytes."""
     inputs = torch.randn(batch_size, 3, 32, 32, device=device).contiguous(memory_format=MEMORY_FORMAT)
     targets = torch.randint(0, 10, (batch_size,), device=device)
-    autocast = partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPE)
+    autocast = partial(precision.autocast, device.type)
 
     def forward():
         with autocast():
@@ -81,19 +83,23 @@ def main():
         torch.set_num_threads(1)  # one lab rank: torchrun gives each process one thread
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
+    try:
+        precision = choose_precision(args.precision, device)
+    except lab.LabError as error:
+        lab.exit_with(error, SCRIPT)
     networks = {
         "plain": CifarCNN().to(device, memory_format=MEMORY_FORMAT),
         "checkpointed": CifarCNN(activation_checkpointing=True).to(device, memory_format=MEMORY_FORMAT),
     }
     rows = []
     for batch_size in args.batch_sizes:
-        results = {name: measure(network, batch_size, args, device) for name, network in networks.items()}
+        results = {name: measure(network, batch_size, args, device, precision) for name, network in networks.items()}
         for name, result in results.items():
             result["median_seconds"] = statistics.median(result["seconds_per_micro_batch"])
         rows.append({"batch_size": batch_size, **results})
     print(
-        f"CifarCNN forward + backward on {device.type} ({torch.get_num_threads()} thread(s)), BF16 autocast, "
-        f"channels_last; median of {args.repeats} x {args.micro_batches} micro-batches"
+        f"CifarCNN forward + backward on {device.type} ({torch.get_num_threads()} thread(s)), {precision.description}, "
+        f"channels_last; median of {args.repeats} x {args.micro_batches} micro-batches\nprecision: {precision.reason}"
     )
     print(
         "| micro-batch | saved activations MB, plain | checkpointed | saved / checkpointed | ms, plain | "
@@ -112,6 +118,8 @@ def main():
         )
     report = {
         "machine": machine(device.type),
+        "precision": precision.name,
+        "precision_reason": precision.reason,
         "settings": {"batch_sizes": args.batch_sizes, "micro_batches": args.micro_batches, "repeats": args.repeats, "threads": torch.get_num_threads()},
         "rows": rows,
     }

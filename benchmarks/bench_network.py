@@ -39,6 +39,7 @@ import lab  # noqa: E402
 import plots  # noqa: E402
 import synthetic_data  # noqa: E402
 from model import CLASSES  # noqa: E402
+from precision import PRECISIONS  # noqa: E402
 
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
@@ -70,6 +71,7 @@ def parse_args():
     parser.add_argument("--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})")
     parser.add_argument("--steps", type=lab.positive_int, default=12, help="optimizer steps per run (default 12)")
     parser.add_argument("--repeats", type=lab.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument("--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)")
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
@@ -215,7 +217,7 @@ def mean_run(samples):
     }
 
 
-def measure(rates, steps, repeats, data_dir, workspace, nodes):
+def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
     documented = lab.DOCUMENTED
     batch, accum, world = documented["batch_size"], documented["accum_steps"], documented["world_size"]
     train_images = steps * accum * batch * world
@@ -237,12 +239,14 @@ def measure(rates, steps, repeats, data_dir, workspace, nodes):
             started = time.monotonic()
             nodes.run(
                 ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
-                 "--accum-steps", accum, "--device", "cpu", "--quiet"]
+                 "--accum-steps", accum, "--device", "cpu", "--precision", precision, "--quiet"]
             )  # fmt: skip
             samples[mode].append(json.loads((output / lab.HISTORY_FILE).read_text())[0])
+            precision = json.loads((output / lab.RUN_RECORD_FILE).read_text())["config"]["precision"]
             print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         rows.append({"rate_mbit": rate, "runs": {mode: mean_run(runs) for mode, runs in samples.items()}})
-    return rows, {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
+    setup = {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
+    return rows, {**setup, "precision": precision}
 
 
 # ----------------------------------------------------------------------------- the model and the results
@@ -348,13 +352,14 @@ def inside(args):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a plain kill too
     try:
         with tempfile.TemporaryDirectory(prefix="bench-network-") as workspace:
-            rows, setup = measure(args.rates, args.steps, args.repeats, args.data_dir, Path(workspace), nodes)
+            rows, setup = measure(args.rates, args.steps, args.repeats, args.data_dir, args.precision, Path(workspace), nodes)
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
     accum = setup["accum_steps"]
     compute, table = analyse(rows, accum)
     fit = link_fit(table)
+    print(f"precision: {setup['precision']} (train.py --precision {args.precision})")
     print_table(compute, table, accum)
     print()
     print_model_table(table, compute, accum)

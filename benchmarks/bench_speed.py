@@ -5,7 +5,7 @@
 
 Back to back, on the same machine:
 1. the compute floor: CifarCNN's forward, backward and AdamW step (train.make_optimizer) on random tensors
-   already on the device, at the lab's micro-batch and numerics (BF16 autocast, channels_last), one process
+   already on the device, at the lab's micro-batch and numerics (--precision, channels_last), one process
    per rank running at once as in the lab (torchrun: one thread each on CPU), no DDP, no data; and the
    evaluation forward alone;
 2. the audit's overhead: on those tensors, the document's no_sync loop on plain DDP against the lab's loop
@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 import lab  # noqa: E402
+from precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_speed.py"
 RUN_TIMEOUT = 1800
@@ -48,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="the dataset the lab's runs read")
     parser.add_argument("--nproc-per-node", type=lab.positive_int, default=documented["world_size"])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument("--windows", type=lab.positive_int, default=10, help="accumulation windows per floor sample")
     parser.add_argument("--repeats", type=lab.positive_int, default=3, help="samples per floor and audit variant")
     parser.add_argument("--output", type=Path, default=Path("artifacts/bench/speed.json"))
@@ -81,7 +83,8 @@ def worker(args):
     inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=train.MEMORY_FORMAT)
     targets = torch.randint(0, 10, (batch,), device=device)
     criterion = nn.CrossEntropyLoss()
-    autocast = partial(torch.autocast, device.type, dtype=train.AUTOCAST_DTYPE)
+    precision = choose_precision(args.precision, device)
+    autocast = partial(precision.autocast, device.type)
     initial_state = CifarCNN().state_dict()
 
     def fresh_model():
@@ -157,7 +160,17 @@ def worker(args):
             name: statistics.median(max(rank_samples[name][repeat] for rank_samples in gathered) for repeat in range(args.repeats))
             for name in bodies
         }
-        print(json.dumps({"seconds_per_micro_batch": medians, "threads": torch.get_num_threads(), "device": str(device)}))
+        print(
+            json.dumps(
+                {
+                    "seconds_per_micro_batch": medians,
+                    "threads": torch.get_num_threads(),
+                    "device": str(device),
+                    "precision": precision.name,
+                    "precision_reason": precision.reason,
+                }
+            )
+        )
     train.settle_comm_hooks()
     dist.destroy_process_group()
 
@@ -188,7 +201,8 @@ def lab_run(args, loader, workspace):
     output = workspace / loader
     _, seconds = torchrun(
         args.nproc_per_node, REPO / "train.py", "--mode", "no_sync", "--epochs", "1", "--output", output,
-        "--data-dir", args.data_dir.resolve(), "--device", args.device, "--loader", loader, "--quiet",
+        "--data-dir", args.data_dir.resolve(), "--device", args.device, "--precision", args.precision,
+        "--loader", loader, "--quiet",
         "--expected-world-size", args.nproc_per_node,
     )  # fmt: skip
     (row,) = json.loads((output / lab.HISTORY_FILE).read_text())
@@ -207,6 +221,7 @@ def lab_run(args, loader, workspace):
         "gradient_syncs": row["gradient_syncs"],
         "optimizer_steps": row["optimizer_steps"],
         "device": config["device"],
+        "precision": config["precision"],
         "world_size": config["world_size"],
     }
 
@@ -253,7 +268,7 @@ def main():
             cache_seconds = time.perf_counter() - started
         result, _ = torchrun(
             args.nproc_per_node, Path(__file__).resolve(), "--worker", "--device", args.device,
-            "--windows", args.windows, "--repeats", args.repeats,
+            "--precision", args.precision, "--windows", args.windows, "--repeats", args.repeats,
         )  # fmt: skip
         measured = json.loads(result.stdout.strip().splitlines()[-1])
         floor = measured["seconds_per_micro_batch"]
@@ -264,14 +279,16 @@ def main():
     device = runs["tensor"]["device"]
     print(
         f"{args.nproc_per_node} process(es) on {device}, {measured['threads']} thread(s) each, micro-batch "
-        f"{lab.DOCUMENTED['batch_size']}, BF16 autocast, channels_last; floor: median of {args.repeats} x "
-        f"{args.windows} windows"
+        f"{lab.DOCUMENTED['batch_size']}, channels_last; floor: median of {args.repeats} x {args.windows} windows\n"
+        f"precision: {measured['precision_reason']}"
     )
     rows = table_rows(floor, runs)
     print_table(rows, runs, cache_seconds)
-    settings = ("data_dir", "nproc_per_node", "device", "windows", "repeats")
+    settings = ("data_dir", "nproc_per_node", "device", "precision", "windows", "repeats")
     report = {
         "machine": machine(device),
+        "precision": measured["precision"],
+        "precision_reason": measured["precision_reason"],
         "settings": {name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings},
         "floor_seconds_per_micro_batch": floor,
         "lab_runs": runs,

@@ -1,8 +1,9 @@
 """--activation-checkpointing changes memory and time, nothing else: the same gradients at every step, the
 same parameters and BatchNorm buffers, the same communication; and each way of doing it wrong is caught.
 
-The model-level tests run CifarCNN in this process with the lab's numerics (BF16 autocast, channels_last,
-deterministic algorithms); the others run the real train.py under torchrun on the shared small data.
+The model-level tests run CifarCNN in this process with the lab's numerics (the precision `auto` takes here,
+channels_last, deterministic algorithms); the others run the real train.py under torchrun on the shared small
+data.
 """
 import copy
 import shutil
@@ -18,8 +19,10 @@ import model
 import train
 from conftest import TIMING, assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, subprocess_env, train as train_run
 from model import MEMORY_FORMAT, CifarCNN
+from precision import choose_precision
 
 BATCH, ACCUM, STEPS = 8, 4, 3
+LAB_PRECISION = choose_precision("auto", torch.device("cpu"))
 
 
 @pytest.fixture
@@ -39,7 +42,7 @@ def micro_batches(count, seed=0):
 
 
 def forward_loss(network, inputs, targets):
-    with torch.autocast("cpu", dtype=model.AUTOCAST_DTYPE):
+    with LAB_PRECISION.autocast("cpu"):
         return nn.functional.cross_entropy(network(inputs), targets) / ACCUM
 
 
@@ -85,7 +88,7 @@ def test_the_saved_bytes_are_the_autograd_graphs_saved_tensors():
     network = CifarCNN().to(memory_format=MEMORY_FORMAT)
     (inputs, targets), = micro_batches(1)
     with train.saved_activations(network) as saved:
-        with torch.autocast("cpu", dtype=model.AUTOCAST_DTYPE):
+        with LAB_PRECISION.autocast("cpu"):
             # (undivided: a division by a number saves no tensor, but its graph node shows it as one)
             loss = nn.functional.cross_entropy(network(inputs), targets)
     parameters = {parameter.untyped_storage().data_ptr() for parameter in network.parameters()}

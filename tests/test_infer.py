@@ -163,7 +163,7 @@ def test_top_k_out_of_range(checkpoint, tmp_path):
 
 def test_evaluation_numerics_give_the_evaluations_classes(checkpoint, lab_runs, image_data):
     """--numerics evaluation on the test images: the confusion matrix of its classes is the one train.py's
-    evaluation (two ranks, channels_last, BF16 autocast) wrote into report.json, count for count."""
+    evaluation (two ranks, channels_last, the run's precision) wrote into report.json, count for count."""
     artifacts, _ = lab_runs
     result = infer(checkpoint, image_data / "test", extra=("--numerics", "evaluation"))
     assert result.returncode == 0, result.stderr

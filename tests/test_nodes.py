@@ -21,15 +21,16 @@ from test_faults import rank_pid
 NODE_FAILURE_SECONDS = 60
 
 
-def start_nodes(folders, *node_args, env=None):
-    """train.py on two nodes, node r started in folders[r] with node_args[r]."""
+def start_nodes(folders, *node_args, env=None, node_env=({}, {})):
+    """train.py on two nodes, node r started in folders[r] with node_args[r] and node_env[r] added to env."""
     port = lab.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
-    for node, (folder, args) in enumerate(zip(folders, node_args)):
+    for node, (folder, args, own_env) in enumerate(zip(folders, node_args, node_env)):
         command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
         # One core per node, as torchrun itself sets for several processes on one machine.
-        launchers.append(subprocess.Popen(command, cwd=folder, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        node_variables = {**env, "OMP_NUM_THREADS": "1", **own_env}
+        launchers.append(subprocess.Popen(command, cwd=folder, env=node_variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return launchers
 
 
@@ -48,8 +49,8 @@ def finish(launchers, timeout=300):
     return results, seconds
 
 
-def two_nodes(folders, *node_args, env=None):
-    return finish(start_nodes(folders, *node_args, env=env))
+def two_nodes(folders, *node_args, env=None, node_env=({}, {})):
+    return finish(start_nodes(folders, *node_args, env=env, node_env=node_env))
 
 
 def node_folders(tmp_path, image_data):

@@ -5,6 +5,7 @@ import subprocess
 import torch
 
 import lab
+from precision import choose_precision
 from conftest import REPO, assert_one_line_error, run_python
 
 
@@ -13,7 +14,8 @@ def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
     assert result.returncode == 0, result.stderr
     for label in ("OS:", "Python:", "torch:", "torchvision:", "CUDA runtime:", "GPU count:", "free disk here:", "data:"):
         assert label in result.stdout
-    assert "BF16 autocast on CPU works: True" in result.stdout
+    assert f"CPU capability:   {torch.backends.cpu.get_cpu_capability()}" in result.stdout
+    assert f"precision:        {choose_precision('auto', torch.device('cpu')).reason}" in result.stdout
     # The tests' subprocesses see no GPU (conftest.subprocess_env), also on a machine that has one.
     assert "The lab will run on CPU: 2 process(es) here with gloo" in result.stdout
     assert run_python("check_env.py", "--lab-device").stdout.strip() == "cpu"

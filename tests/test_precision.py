@@ -1,0 +1,132 @@
+"""--precision: BF16 autocast where the device computes BF16 natively, float32 elsewhere, decided from torch's
+own capability report; the decision is stated, recorded, agreed between nodes and checked by verify.py."""
+import json
+
+import pytest
+import torch
+
+import precision
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    copy_runs,
+    read_json,
+    run_python,
+    subprocess_env,
+    train,
+)
+from test_nodes import assert_both_nodes_stop, node_folders, same_run, two_nodes
+
+CPU = torch.device("cpu")
+# oneDNN's and ATen's own switches that make this machine's CPU look and run like an AVX2-only one.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def test_auto_follows_this_cpus_own_bf16_report(monkeypatch):
+    """The probe: on the machine at hand, auto is BF16 exactly where oneDNN reports BF16 instructions."""
+    monkeypatch.delenv(precision.CPU_BF16_VARIABLE, raising=False)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    chosen = precision.choose_precision("auto", CPU)
+    assert chosen.name == ("bf16" if native else "fp32")
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert chosen.hardware == f"CPU {capability} {'with' if native else 'without'} BF16 instructions"
+    assert chosen.reason.startswith(f"{chosen.hardware}: {chosen.description}")
+    assert ("forces emulated BF16" in chosen.reason) == (not native)
+
+
+def test_a_cpu_limited_to_avx2_takes_float32():
+    """oneDNN and ATen limited to AVX2 on this machine: torch reports no BF16, and auto takes float32."""
+    result = run_python("check_env.py", env=subprocess_env(**AVX2_ONLY))
+    assert result.returncode == 0, result.stderr
+    assert "CPU capability:   AVX2" in result.stdout
+    assert (
+        "precision:        CPU AVX2 without BF16 instructions: float32; --precision bf16 forces emulated BF16, "
+        "about 13x slower than float32 on such a device" in result.stdout
+    )
+    assert "The lab will run on CPU: 2 process(es) here with gloo, float32" in result.stdout
+
+
+@pytest.mark.parametrize("value, name", [("1", "bf16"), ("0", "fp32")])
+def test_the_override_decides_auto_as_on_the_other_kind_of_cpu(monkeypatch, value, name):
+    monkeypatch.setenv(precision.CPU_BF16_VARIABLE, value)
+    chosen = precision.choose_precision("auto", CPU)
+    assert chosen.name == name
+    assert f"({precision.CPU_BF16_VARIABLE}={value})" in chosen.reason
+    # The recorded hardware stays what torch reports: the override moves the decision only.
+    assert chosen.hardware == precision.native_bf16(CPU)[1]
+
+
+@pytest.mark.parametrize("requested", ["bf16", "fp32"])
+def test_an_explicit_precision_is_taken_as_given(monkeypatch, requested):
+    monkeypatch.setenv(precision.CPU_BF16_VARIABLE, "0")
+    chosen = precision.choose_precision(requested, CPU)
+    assert chosen.name == requested
+    assert chosen.reason.startswith(f"--precision {requested} on a CPU ")
+    assert ("emulated" in chosen.reason) == (requested == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_autocast_is_bf16_or_nothing():
+    layer = torch.nn.Linear(4, 4)
+    inputs = torch.randn(2, 4)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        with precision.choose_precision(name, CPU).autocast("cpu"):
+            assert layer(inputs).dtype == dtype
+
+
+def test_a_bad_override_is_one_line():
+    result = run_python("check_env.py", env=subprocess_env(LAB_CPU_BF16="yes"))
+    assert_one_line_error(result, "check_env.py: error: LAB_CPU_BF16='yes': expected 1", "unset it")
+
+
+def test_train_states_and_records_its_precision(lab_runs):
+    artifacts, results = lab_runs
+    chosen = precision.choose_precision("auto", CPU)
+    for mode, result in results.items():
+        assert f"train.py: precision: {chosen.reason}" in result.stderr
+        config = read_json(artifacts / mode / "run.json")["config"]
+        assert (config["precision"], config["hardware"]) == (chosen.name, [chosen.hardware])
+        checkpoint = torch.load(artifacts / mode / "model.pt", weights_only=True)
+        assert checkpoint["precision"] == chosen.name
+
+
+def test_verify_prints_the_precision_and_refuses_runs_of_another(lab_runs, image_data, tmp_path):
+    """The shared pair was trained at auto; no_sync again at the other precision (forced by the override, so
+    that on a CPU without BF16 the forced BF16 run is the small one here)."""
+    artifacts, _ = lab_runs
+    shared = read_json(artifacts / "every" / "run.json")["config"]["precision"]
+    other = "fp32" if shared == "bf16" else "bf16"
+    mixed = copy_runs(artifacts, tmp_path / "artifacts")
+    result = run_python("verify.py", "--artifacts", mixed, "--expect-from-config")
+    assert result.returncode == 0, result.stderr
+    assert f"  precision {shared} on {read_json(artifacts / 'every' / 'run.json')['config']['hardware'][0]}" in result.stdout
+    env = subprocess_env(LAB_CPU_BF16="1" if other == "bf16" else "0")
+    assert_ok(train(image_data, mixed / "no_sync", "no_sync", "--quiet", "--epochs", "1", env=env))
+    assert read_json(mixed / "no_sync" / "run.json")["config"]["precision"] == other
+    result = run_python("verify.py", "--artifacts", mixed, "--expect-from-config")
+    line = assert_one_line_error(result, "come from different configurations", f"precision: {shared!r} vs {other!r}", code=1)
+    assert "rerun both modes with the same settings" in line
+
+
+def test_nodes_whose_cpus_would_choose_differently_both_stop(tmp_path, image_data):
+    """Node 1 decides as a CPU without BF16 instructions, node 0 as one with them: one line naming node 1."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    args, _ = same_run("every")
+    results, seconds = two_nodes([node0, node1], args, args, node_env=({"LAB_CPU_BF16": "1"}, {"LAB_CPU_BF16": "0"}))
+    assert_both_nodes_stop(
+        results, seconds, "[rank 1, node 1] its precision differs from rank 0's: fp32 on a CPU", "vs bf16 on a CPU",
+        "pass the same --precision on every node",
+    )
+
+
+def test_infer_evaluates_in_the_runs_precision(lab_runs, tmp_path):
+    artifacts, _ = lab_runs
+    checkpoint = artifacts / "no_sync" / "model.pt"
+    sample = artifacts / "no_sync" / "sample_test.png"
+    recorded = torch.load(checkpoint, weights_only=True)["precision"]
+    result = run_python("infer.py", "--checkpoint", checkpoint, "--image", sample, "--numerics", "evaluation")
+    assert result.returncode == 0, result.stderr
+    assert f"infer.py: precision: --precision {recorded} on a CPU" in result.stderr
+    assert set(json.loads(result.stdout)["probabilities"]) and not result.stderr.count("\n") > 1
+    result = run_python("infer.py", "--checkpoint", checkpoint, "--image", sample, "--precision", "fp32")
+    assert_one_line_error(result, "--precision applies to --numerics evaluation")
+
