@@ -14,7 +14,7 @@ ARTIFACTS ?= artifacts
 QUICK_DATA := data/synthetic
 QUICK := artifacts/quick
 
-.PHONY: lab quick test check compat compat-run clean
+.PHONY: lab quick test lint check compat compat-run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,7 @@ lab: $(VENV)/.requirements
 # The same pipeline in about a minute: 2,000 + 500 synthetic images, 3 epochs, audited against its own
 # configuration.
 define quick_pipeline
-	test -d $(QUICK_DATA) || $(PY) synthetic_data.py --out $(QUICK_DATA) --train-source 2000 --test 500
+	test -d $(QUICK_DATA) || $(PY) tools/synthetic_data.py --out $(QUICK_DATA) --train-source 2000 --test 500
 	$(TRAIN) --mode every --output $(QUICK)/every --data-dir $(QUICK_DATA) --epochs 3
 	$(TRAIN) --mode no_sync --output $(QUICK)/no_sync --data-dir $(QUICK_DATA) --epochs 3
 	$(PY) verify.py --artifacts $(QUICK) --expect-from-config
@@ -51,6 +51,11 @@ quick: $(VENV)/.requirements
 # The 15 slowest tests are listed at the end of every run, so that a slow one shows itself.
 test: $(VENV)/.requirements-dev
 	$(PY) -m pytest -q --durations=15 tests
+
+# The style: ruff's formatter and linter (ruff.toml), checked, never rewritten here (`ruff format .` does).
+lint: $(VENV)/.requirements-dev
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 check: $(VENV)/.requirements
 	$(PY) check_env.py

@@ -71,10 +71,10 @@ if [[ $DEVICE == cuda ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY" || true
     "$PY" -c "import torch; print(f'{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}')" | tee -a "$SUMMARY"
 fi
-"$PY" -c "import torch, precision; print('precision auto:', precision.choose_precision('auto', torch.device('$DEVICE', 0 if '$DEVICE' == 'cuda' else None)).reason)" | tee -a "$SUMMARY"
+"$PY" -c "import torch; from lab.precision import choose_precision; print('precision auto:', choose_precision('auto', torch.device('$DEVICE', 0 if '$DEVICE' == 'cuda' else None)).reason)" | tee -a "$SUMMARY"
 
 step "3. Synthetic data"
-"$PY" synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000
+"$PY" tools/synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000
 
 run_mode() {  # mode, output folder, more train.py options; its stderr is appended to train.log
     local sync_debug=()

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-import lab
-from precision import PRECISIONS, choose_precision
+from lab.cli import ArgumentParser, LabError, exit_with, positive_int
+from lab.data import IMAGE_SUFFIXES
+from lab.precision import PRECISIONS, choose_precision
 from model import CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"
@@ -32,14 +33,14 @@ BATCH_SIZE = 256
 
 
 def top_k_value(text):
-    value = lab.positive_int(text)
+    value = positive_int(text)
     if value > len(CLASSES):
         raise argparse.ArgumentTypeError(f"must be at most {len(CLASSES)} (the number of classes), got {value}")
     return value
 
 
 def parse_args():
-    parser = lab.ArgumentParser(prog=SCRIPT, description="Classify PNG/JPEG images with a saved CifarCNN.")
+    parser = ArgumentParser(prog=SCRIPT, description="Classify PNG/JPEG images with a saved CifarCNN.")
     parser.add_argument("--checkpoint", type=Path, required=True, help="model.pt written by train.py")
     parser.add_argument("--image", type=Path, nargs="+", required=True, help="image files and/or folders")
     parser.add_argument("--top-k", type=top_k_value, help="also list the K most likely classes")
@@ -72,7 +73,7 @@ def choose_device(requested):
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise lab.LabError("--device cuda: no CUDA device is visible (check nvidia-smi), or pass --device cpu")
+        raise LabError("--device cuda: no CUDA device is visible (check nvidia-smi), or pass --device cpu")
     return torch.device(requested)
 
 
@@ -81,7 +82,7 @@ def collect_images(paths):
     items = []
     for path in paths:
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in lab.IMAGE_SUFFIXES)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
             items.extend((p, None) for p in found)
             if not found:
                 items.append((path, "no PNG or JPEG images in this folder"))
@@ -136,7 +137,7 @@ def main():
     try:
         model, checkpoint = load_checkpoint(args.checkpoint)
     except CheckpointError as error:
-        raise lab.LabError(str(error)) from None
+        raise LabError(str(error)) from None
     device = choose_device(args.device)
     precision = None
     if args.numerics == "evaluation":
@@ -148,17 +149,17 @@ def main():
         # One file: the document's output form.
         path = args.image[0]
         if not path.is_file():
-            raise lab.LabError(f"image not found: {path}")
+            raise LabError(f"image not found: {path}")
         try:
             tensor = read_image(path)
         except (OSError, ValueError) as error:
-            raise lab.LabError(f"{path}: not a readable image ({error})") from None
+            raise LabError(f"{path}: not a readable image ({error})") from None
         print(json.dumps(prediction(classify(model, [tensor], device, precision)[0], args.top_k), indent=2))
         return 0
 
     items = collect_images(args.image)
     if all(error for _, error in items):
-        raise lab.LabError(f"no PNG or JPEG images found in: {', '.join(map(str, args.image))}")
+        raise LabError(f"no PNG or JPEG images found in: {', '.join(map(str, args.image))}")
     failed = 0
     for start in range(0, len(items), BATCH_SIZE):
         lines, tensors, waiting = [], [], []
@@ -182,5 +183,5 @@ def main():
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except lab.LabError as error:
-        lab.exit_with(error, SCRIPT)
+    except LabError as error:
+        exit_with(error, SCRIPT)

@@ -5,7 +5,7 @@
 
 For each micro-batch size, CifarCNN plain and with its stages checkpointed (model.STAGES, non-reentrant, as
 train.py --activation-checkpointing), in turns: the bytes held from a forward for its backward (counted by
-train.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
+audit.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
 backward at the lab's numerics (--precision, channels_last; median over repeats), and on CUDA the peak
 allocated memory of a micro-batch. No DDP: checkpointing changes nothing that crosses between the ranks (the
 gradients and their buckets are the same), which the lab's runs show by their counts. The table is printed
@@ -21,20 +21,19 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import lab  # noqa: E402
-import train  # noqa: E402
+from lab import audit, cli, records  # noqa: E402
 from bench_speed import machine  # noqa: E402
 from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
-from precision import PRECISIONS, choose_precision  # noqa: E402
+from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_checkpointing.py"
 
 
 def parse_args():
-    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=lab.positive_int, nargs="+", default=[50, 100, 200, 400], metavar="N")
-    parser.add_argument("--micro-batches", type=lab.positive_int, default=4, help="micro-batches per timed sample")
-    parser.add_argument("--repeats", type=lab.positive_int, default=3, help="timed samples per size and variant")
+    parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=cli.positive_int, nargs="+", default=[50, 100, 200, 400], metavar="N")
+    parser.add_argument("--micro-batches", type=cli.positive_int, default=4, help="micro-batches per timed sample")
+    parser.add_argument("--repeats", type=cli.positive_int, default=3, help="timed samples per size and variant")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument("--output", type=Path, default=Path("artifacts/bench/checkpointing.json"))
@@ -54,7 +53,7 @@ def measure(network, batch_size, args, device, precision):
     def micro_batch():
         forward().backward()
 
-    with train.saved_activations(network) as held:
+    with audit.saved_activations(network) as held:
         loss = forward()
     loss.backward()  # also the warm-up
     del loss
@@ -66,10 +65,10 @@ def measure(network, batch_size, args, device, precision):
         peak = torch.cuda.max_memory_allocated(device)
     samples = []
     for _ in range(args.repeats):
-        started = train.read_clock(device)
+        started = audit.read_clock(device)
         for _ in range(args.micro_batches):
             micro_batch()
-        samples.append((train.read_clock(device) - started) / args.micro_batches)
+        samples.append((audit.read_clock(device) - started) / args.micro_batches)
     network.zero_grad(set_to_none=True)
     return {"saved_activation_bytes": sum(held.values()), "seconds_per_micro_batch": samples, "peak_allocated_bytes": peak}
 
@@ -77,7 +76,7 @@ def measure(network, batch_size, args, device, precision):
 def main():
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        lab.exit_with(lab.LabError("--device cuda: no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)"), SCRIPT)
+        cli.exit_with(cli.LabError("--device cuda: no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)"), SCRIPT)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # one lab rank: torchrun gives each process one thread
@@ -85,8 +84,8 @@ def main():
     torch.manual_seed(0)
     try:
         precision = choose_precision(args.precision, device)
-    except lab.LabError as error:
-        lab.exit_with(error, SCRIPT)
+    except cli.LabError as error:
+        cli.exit_with(error, SCRIPT)
     networks = {
         "plain": CifarCNN().to(device, memory_format=MEMORY_FORMAT),
         "checkpointed": CifarCNN(activation_checkpointing=True).to(device, memory_format=MEMORY_FORMAT),
@@ -124,7 +123,7 @@ def main():
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    lab.write_atomic(args.output, lab.json_bytes(report))
+    records.write_atomic(args.output, records.json_bytes(report))
     print(f"\nwritten: {args.output}")
 
 

@@ -35,11 +35,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import lab  # noqa: E402
-import plots  # noqa: E402
-import synthetic_data  # noqa: E402
+from lab import cli, data, experiment, pictures, records  # noqa: E402
+from tools import loopback, synthetic_data  # noqa: E402
 from model import CLASSES  # noqa: E402
-from precision import PRECISIONS  # noqa: E402
+from lab.precision import PRECISIONS  # noqa: E402
 
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
@@ -67,10 +66,10 @@ def parse_rates(text):
 
 
 def parse_args():
-    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})")
-    parser.add_argument("--steps", type=lab.positive_int, default=12, help="optimizer steps per run (default 12)")
-    parser.add_argument("--repeats", type=lab.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)")
+    parser.add_argument("--steps", type=cli.positive_int, default=12, help="optimizer steps per run (default 12)")
+    parser.add_argument("--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument("--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)")
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
@@ -87,14 +86,14 @@ def rate_label(rate):
 
 def check_prerequisites():
     if os.geteuid() != 0:
-        raise lab.LabError("needs root to make a network namespace and shape its loopback; run it with sudo")
+        raise cli.LabError("needs root to make a network namespace and shape its loopback; run it with sudo")
     for tool in ("tc", "ip", "unshare", "taskset"):
         if shutil.which(tool) is None:
             package = "util-linux" if tool in ("unshare", "taskset") else "iproute2"
-            raise lab.LabError(f"needs {tool}, which is not on PATH; install {package} (apt-get install {package})")
+            raise cli.LabError(f"needs {tool}, which is not on PATH; install {package} (apt-get install {package})")
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
-        raise lab.LabError(
+        raise cli.LabError(
             f"this machine does not allow network namespaces (unshare --net: {probe.stderr.strip() or probe.returncode}); "
             f"run it where unshare --net works (a VM, or a container started with CAP_SYS_ADMIN)"
         )
@@ -152,13 +151,13 @@ def set_link(rate):
 
 def subset_of(data_dir, destination, source_size, test_size):
     """The first files of each class of an image-folder tree, linked into a new tree."""
-    if not lab.is_image_folder_tree(data_dir):
-        raise lab.LabError(f"--data-dir {data_dir} is not an image-folder tree (train/<class>/, test/<class>/); pass one")
+    if not data.is_image_folder_tree(data_dir):
+        raise cli.LabError(f"--data-dir {data_dir} is not an image-folder tree (train/<class>/, test/<class>/); pass one")
     for split, size in (("train", source_size), ("test", test_size)):
         for name in CLASSES:
             files = sorted((data_dir / split / name).iterdir())[: size // len(CLASSES)]
             if len(files) < size // len(CLASSES):
-                raise lab.LabError(f"{data_dir / split / name} has {len(files)} images; the benchmark needs {size // len(CLASSES)}")
+                raise cli.LabError(f"{data_dir / split / name} has {len(files)} images; the benchmark needs {size // len(CLASSES)}")
             (destination / split / name).mkdir(parents=True)
             for file in files:
                 (destination / split / name / file.name).symlink_to(file.resolve())
@@ -173,10 +172,10 @@ class Nodes:
     def run(self, train_args):
         cores = sorted(os.sched_getaffinity(0))
         shares = [cores[: max(len(cores) // 2, 1)], cores[len(cores) // 2 :] or cores]
-        port = lab.free_loopback_port()
+        port = loopback.free_loopback_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
         for node, share in enumerate(shares):
-            node_command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *train_args])
+            node_command = loopback.loopback_node_command(node, 2, port, [REPO / "train.py", *train_args])
             self.launchers.append(
                 subprocess.Popen(
                     ["taskset", "-c", ",".join(map(str, share)), *node_command],
@@ -191,7 +190,7 @@ class Nodes:
             for node, launcher in enumerate(self.launchers):
                 _, stderr = launcher.communicate(timeout=RUN_TIMEOUT)
                 if launcher.returncode != 0:
-                    raise lab.LabError(f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}")
+                    raise cli.LabError(f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}")
         finally:
             self.stop()
 
@@ -207,7 +206,7 @@ def mean_run(samples):
     """One mode at one rate: the mean times of its runs, whose counts must agree."""
     counts = {(run["gradient_syncs"], run["optimizer_steps"]) for run in samples}
     if len(counts) != 1:
-        raise lab.LabError(f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here")
+        raise cli.LabError(f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here")
     return {
         "epoch_seconds": sum(run["epoch_seconds"] for run in samples) / len(samples),
         "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
@@ -218,10 +217,10 @@ def mean_run(samples):
 
 
 def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
-    documented = lab.DOCUMENTED
+    documented = experiment.DOCUMENTED
     batch, accum, world = documented["batch_size"], documented["accum_steps"], documented["world_size"]
     train_images = steps * accum * batch * world
-    source_size = train_images * lab.VALIDATION_FRACTION // (lab.VALIDATION_FRACTION - 1)
+    source_size = train_images * experiment.VALIDATION_FRACTION // (experiment.VALIDATION_FRACTION - 1)
     test_size = 500
     data = workspace / "data"
     if data_dir is None:
@@ -231,9 +230,9 @@ def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
     rows = []
     for rate in rates:
         set_link(rate)
-        samples = {mode: [] for mode in lab.MODES}
+        samples = {mode: [] for mode in experiment.MODES}
         # every, no_sync, no_sync, every, ...: a drift of the machine's speed during the pairs cancels out.
-        order = [mode for repeat in range(repeats) for mode in (lab.MODES if repeat % 2 == 0 else lab.MODES[::-1])]
+        order = [mode for repeat in range(repeats) for mode in (experiment.MODES if repeat % 2 == 0 else experiment.MODES[::-1])]
         for index, mode in enumerate(order):
             output = workspace / "runs" / f"{rate or 0:g}" / f"{mode}-{index}"
             started = time.monotonic()
@@ -241,8 +240,8 @@ def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
                 ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
                  "--accum-steps", accum, "--device", "cpu", "--precision", precision, "--quiet"]
             )  # fmt: skip
-            samples[mode].append(json.loads((output / lab.HISTORY_FILE).read_text())[0])
-            precision = json.loads((output / lab.RUN_RECORD_FILE).read_text())["config"]["precision"]
+            samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
+            precision = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
             print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         rows.append({"rate_mbit": rate, "runs": {mode: mean_run(runs) for mode, runs in samples.items()}})
     setup = {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
@@ -338,7 +337,7 @@ def draw(compute, table, fit, accum):
         f"c = {compute * 1e3:.0f} ms per micro-batch; s = {s_unlimited * 1e3:.0f} ms + "
         f"{(bits_per_sync or 0) / 1e6:.1f} Mbit / R per synchronized micro-batch (fitted); half-duplex tbf link"
     )
-    return plots.speedup_image("no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption)
+    return pictures.speedup_image("no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption)
 
 
 def machine():
@@ -375,9 +374,9 @@ def inside(args):
         "runs": rows,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    lab.write_atomic(args.out / "network.json", lab.json_bytes(result))
+    records.write_atomic(args.out / "network.json", records.json_bytes(result))
     image, data = draw(compute, table, fit, accum)
-    lab.write_atomic(args.out / "network.png", lab.png_bytes(image, {"data": json.dumps(data)}))
+    records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
 
 
@@ -389,8 +388,8 @@ def main():
             return 0
         check_prerequisites()
         return run_in_namespace()
-    except lab.LabError as error:
-        lab.exit_with(error, SCRIPT)
+    except cli.LabError as error:
+        cli.exit_with(error, SCRIPT)
     except KeyboardInterrupt:
         print(f"{SCRIPT}: interrupted; cleaned up", file=sys.stderr)
         return 130

@@ -35,23 +35,22 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import data  # noqa: E402
-import lab  # noqa: E402
-from precision import PRECISIONS, choose_precision  # noqa: E402
+from lab import audit, cli, data, experiment, launch, records  # noqa: E402
+from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_speed.py"
 RUN_TIMEOUT = 1800
 
 
 def parse_args(argv=None):
-    documented = lab.DOCUMENTED
-    parser = lab.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
+    documented = experiment.DOCUMENTED
+    parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="the dataset the lab's runs read")
-    parser.add_argument("--nproc-per-node", type=lab.positive_int, default=documented["world_size"])
+    parser.add_argument("--nproc-per-node", type=cli.positive_int, default=documented["world_size"])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
-    parser.add_argument("--windows", type=lab.positive_int, default=10, help="accumulation windows per floor sample")
-    parser.add_argument("--repeats", type=lab.positive_int, default=3, help="samples per floor and audit variant")
+    parser.add_argument("--windows", type=cli.positive_int, default=10, help="accumulation windows per floor sample")
+    parser.add_argument("--repeats", type=cli.positive_int, default=3, help="samples per floor and audit variant")
     parser.add_argument("--output", type=Path, default=Path("artifacts/bench/speed.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the torchrun part, 1 and 2
     return parser.parse_args(argv)
@@ -67,20 +66,20 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import train
-    from model import CifarCNN
+    from model import MEMORY_FORMAT, CifarCNN
 
-    place = train.launch_environment(None)
-    with train.c_stdout_to_stderr():
+    place = launch.launch_environment(None)
+    with launch.c_stdout_to_stderr():
         dist.init_process_group("gloo")
-    device_type = train.choose_device(args.device, place)
+    device_type = launch.choose_device(args.device, place)
     if device_type == "cuda":
         torch.cuda.set_device(place.local_rank)
     device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
     group = dist.new_group(backend="nccl") if device.type == "cuda" else None
-    batch, accum = lab.DOCUMENTED["batch_size"], lab.DOCUMENTED["accum_steps"]
+    batch, accum = experiment.DOCUMENTED["batch_size"], experiment.DOCUMENTED["accum_steps"]
     micro_batches = args.windows * accum
     torch.manual_seed(place.rank)
-    inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=train.MEMORY_FORMAT)
+    inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=MEMORY_FORMAT)
     targets = torch.randint(0, 10, (batch,), device=device)
     criterion = nn.CrossEntropyLoss()
     precision = choose_precision(args.precision, device)
@@ -90,13 +89,13 @@ def worker(args):
     def fresh_model():
         model = CifarCNN()
         model.load_state_dict(initial_state)
-        return model.to(device, memory_format=train.MEMORY_FORMAT)
+        return model.to(device, memory_format=MEMORY_FORMAT)
 
     def timed(body):
         dist.barrier()  # every rank starts together: they share the machine as in the lab
-        started = train.read_clock(device)
+        started = audit.read_clock(device)
         body()
-        return train.read_clock(device) - started
+        return audit.read_clock(device) - started
 
     model = fresh_model()
     optimizer = train.make_optimizer(model.parameters(), device)
@@ -118,13 +117,13 @@ def worker(args):
                 criterion(model(inputs), targets)
         model.train()
 
-    plan = lab.window_plan(micro_batches, accum, "error")
+    plan = experiment.window_plan(micro_batches, accum, "error")
     loader = [(inputs, targets)] * micro_batches
-    progress = train.Progress(enabled=False, interval=0)
+    progress = cli.Progress(enabled=False, interval=0)
 
     def document_loop():
         """The document's no_sync loop on plain DDP: nothing counted, traced or compared across ranks."""
-        ddp_model = DDP(fresh_model(), device_ids=device_ids(device), bucket_cap_mb=lab.BUCKET_CAP_MB, process_group=group)
+        ddp_model = DDP(fresh_model(), device_ids=device_ids(device), bucket_cap_mb=experiment.BUCKET_CAP_MB, process_group=group)
         ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
 
         def body():
@@ -171,7 +170,7 @@ def worker(args):
                 }
             )
         )
-    train.settle_comm_hooks()
+    audit.settle_comm_hooks()
     dist.destroy_process_group()
 
 
@@ -192,7 +191,7 @@ def torchrun(nproc, *script_args, env=None):
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
         reason = [line for line in lines if ": error:" in line] or lines[-15:]  # the script's own line first
-        raise lab.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}): {' '.join(reason)}")
+        raise cli.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}): {' '.join(reason)}")
     return result, seconds
 
 
@@ -205,9 +204,9 @@ def lab_run(args, loader, workspace):
         "--loader", loader, "--quiet",
         "--expected-world-size", args.nproc_per_node,
     )  # fmt: skip
-    (row,) = json.loads((output / lab.HISTORY_FILE).read_text())
-    config = json.loads((output / lab.RUN_RECORD_FILE).read_text())["config"]
-    micro_batches = lab.micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
+    (row,) = json.loads((output / records.HISTORY_FILE).read_text())
+    config = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]
+    micro_batches = experiment.micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
     validation_batches = math.ceil(math.ceil(config["validation_size"] / config["world_size"]) / config["batch_size"])
     return {
         "process_seconds": seconds,
@@ -264,7 +263,7 @@ def main():
     try:
         started = time.perf_counter()
         data.prepare_data(args.data_dir)
-        if lab.is_image_folder_tree(args.data_dir):
+        if data.is_image_folder_tree(args.data_dir):
             cache_seconds = time.perf_counter() - started
         result, _ = torchrun(
             args.nproc_per_node, Path(__file__).resolve(), "--worker", "--device", args.device,
@@ -274,12 +273,12 @@ def main():
         floor = measured["seconds_per_micro_batch"]
         with tempfile.TemporaryDirectory(prefix="bench-speed-") as workspace:
             runs = {loader: lab_run(args, loader, Path(workspace)) for loader in data.LOADERS}
-    except lab.LabError as error:
-        lab.exit_with(error, SCRIPT)
+    except cli.LabError as error:
+        cli.exit_with(error, SCRIPT)
     device = runs["tensor"]["device"]
     print(
         f"{args.nproc_per_node} process(es) on {device}, {measured['threads']} thread(s) each, micro-batch "
-        f"{lab.DOCUMENTED['batch_size']}, channels_last; floor: median of {args.repeats} x {args.windows} windows\n"
+        f"{experiment.DOCUMENTED['batch_size']}, channels_last; floor: median of {args.repeats} x {args.windows} windows\n"
         f"precision: {measured['precision_reason']}"
     )
     rows = table_rows(floor, runs)
@@ -296,7 +295,7 @@ def main():
         "rows": [{"part": part, "measured_seconds": m, "floor_seconds": f, "efficiency": f / m} for part, m, f in rows],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    lab.write_atomic(args.output, lab.json_bytes(report))
+    records.write_atomic(args.output, records.json_bytes(report))
     print(f"\nwritten: {args.output}")
 
 

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import synthetic_data  # noqa: E402
+from tools import synthetic_data
 
 INJECT = Path(__file__).resolve().parent / "inject"
 WORKERS = Path(__file__).resolve().parent / "workers"

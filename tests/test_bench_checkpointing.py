@@ -5,16 +5,16 @@ import json
 import torch
 from torch import nn
 
-import train
 from conftest import assert_one_line_error, run_python
 from model import MEMORY_FORMAT, CifarCNN
-from precision import choose_precision
+from lab import audit
+from lab.precision import choose_precision
 
 
 def saved_bytes(batch_size, activation_checkpointing):
     network = CifarCNN(activation_checkpointing=activation_checkpointing).to(memory_format=MEMORY_FORMAT)
     inputs = torch.randn(batch_size, 3, 32, 32).contiguous(memory_format=MEMORY_FORMAT)
-    with train.saved_activations(network) as held:
+    with audit.saved_activations(network) as held:
         with choose_precision("auto", torch.device("cpu")).autocast("cpu"):  # the benchmark's default
             nn.functional.cross_entropy(network(inputs), torch.zeros(batch_size, dtype=torch.long))
     return sum(held.values())
@@ -36,8 +36,9 @@ def test_each_size_is_measured_both_ways(tmp_path):
             assert len(measured["seconds_per_micro_batch"]) == 2 and measured["peak_allocated_bytes"] is None
         assert row["plain"]["saved_activation_bytes"] > 2 * row["checkpointed"]["saved_activation_bytes"]
     lines = result.stdout.splitlines()
-    assert lines[1].startswith("| micro-batch | saved activations MB, plain | checkpointed |")
-    assert [line.split(" | ")[0] for line in lines[3:5]] == ["| 4", "| 8"]
+    assert lines[1] == f"precision: {choose_precision('auto', torch.device('cpu')).reason}"
+    assert lines[2].startswith("| micro-batch | saved activations MB, plain | checkpointed |")
+    assert [line.split(" | ")[0] for line in lines[4:6]] == ["| 4", "| 8"]
     assert lines[-1] == f"written: {output}"
 
 

@@ -56,8 +56,10 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     for row in record["rows"]:
         assert row["gradient_syncs"] == {"every": 4, "no_sync": 1} and row["optimizer_steps"] == {"every": 1, "no_sync": 1}
     slow = record["rows"][1]
-    # 50 Mbit/s moves the 2.2 MB of gradients in tenths of a second: far more than with no limit.
-    assert slow["seconds_per_sync"] > 5 * record["rows"][0]["seconds_per_sync"]
+    # A two-rank all-reduce over the half-duplex link moves both ranks' 2,234,152 bytes of gradients: 35.7 Mbit,
+    # 0.71 s at 50 Mbit/s, whatever the compute (the unlimited sync's time depends on it: it includes the wait
+    # for the slower rank).
+    assert slow["seconds_per_sync"] > 0.6
     assert slow["measured_speedup"] > 1.3
     assert Path(tmp_path / "network.png").stat().st_size > 0
     assert not [line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line]  # its workspace

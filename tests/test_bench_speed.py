@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import synthetic_data
+from tools import synthetic_data
 from conftest import assert_one_line_error, run_python
 
 

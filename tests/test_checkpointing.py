@@ -14,12 +14,11 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-import lab
+from lab import audit, experiment
 import model
-import train
 from conftest import TIMING, assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, subprocess_env, train as train_run
 from model import MEMORY_FORMAT, CifarCNN
-from precision import choose_precision
+from lab.precision import choose_precision
 
 BATCH, ACCUM, STEPS = 8, 4, 3
 LAB_PRECISION = choose_precision("auto", torch.device("cpu"))
@@ -64,7 +63,7 @@ def test_checkpointed_training_equals_plain_training_bit_for_bit(deterministic):
     for step, window in enumerate(range(STEPS)):
         for inputs, targets in micro_batches(ACCUM, seed=window):
             for network in networks:
-                with train.saved_activations(network) as saved:
+                with audit.saved_activations(network) as saved:
                     loss = forward_loss(network, inputs, targets)
                 held.append((network is checkpointed, sum(saved.values())))
                 loss.backward()
@@ -87,7 +86,7 @@ def test_the_saved_bytes_are_the_autograd_graphs_saved_tensors():
     """An independent count: walk the graph from the loss and read each node's saved tensors (_saved_*)."""
     network = CifarCNN().to(memory_format=MEMORY_FORMAT)
     (inputs, targets), = micro_batches(1)
-    with train.saved_activations(network) as saved:
+    with audit.saved_activations(network) as saved:
         with LAB_PRECISION.autocast("cpu"):
             # (undivided: a division by a number saves no tensor, but its graph node shows it as one)
             loss = nn.functional.cross_entropy(network(inputs), targets)
@@ -154,14 +153,14 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
             forward_loss(ddp_model, inputs.requires_grad_(), targets).backward()
     finally:
         dist.destroy_process_group()
-    explained = train.explain_ddp_error(caught.value)
+    explained = audit.explain_ddp_error(caught.value)
     assert explained.line("train.py") == (
         "RuntimeError: DDP saw a parameter's gradient twice in one backward (\"Expected to mark a variable ready "
         "only once\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
         "as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing gives no gradient to a stage "
         "whose input needs none and, with find_unused_parameters=True, marks its parameters ready twice"
     )
-    assert train.explain_ddp_error(RuntimeError("CUDA out of memory")) is None
+    assert audit.explain_ddp_error(RuntimeError("CUDA out of memory")) is None
 
 
 # ----------------------------------------------------------------------------- the real train.py
@@ -170,7 +169,7 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
 @pytest.fixture(scope="module")
 def checkpointed_runs(image_data, tmp_path_factory):
     artifacts = tmp_path_factory.mktemp("checkpointed") / "artifacts"
-    for mode in lab.MODES:
+    for mode in experiment.MODES:
         assert_ok(train_run(image_data, artifacts / mode, mode, "--activation-checkpointing", "--quiet"))
     return artifacts
 
@@ -181,7 +180,7 @@ def test_checkpointed_runs_pass_the_audit_with_the_plain_runs_counts(checkpointe
     assert "| every | on | " in result.stdout and "| no_sync | on | " in result.stdout
     plain_artifacts, _ = lab_runs
     memory = {"saved_activation_bytes", "peak_allocated_bytes"}
-    for mode in lab.MODES:
+    for mode in experiment.MODES:
         rows, plain_rows = (read_json(folder / mode / "history.json") for folder in (checkpointed_runs, plain_artifacts))
         # Everything but time and memory is the plain run's: counts, positions, losses, accuracies, agreement.
         assert [{k: v for k, v in row.items() if k not in TIMING | memory} for row in rows] == [

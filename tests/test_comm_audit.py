@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lab
+from lab import audit, cli, experiment
 import train
 from conftest import WORKERS, assert_ok, torchrun
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
-# train_epoch adds one small all-reduce per optimizer step: the ranks' fingerprints (train.ranks_agree).
+# train_epoch adds one small all-reduce per optimizer step: the ranks' fingerprints (audit.ranks_agree).
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,10 @@ def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
 
 
 def test_measured_counts_equal_the_expected_counts(rows):
-    sizes = lab.comm_sizes(CifarCNN())
+    sizes = experiment.comm_sizes(CifarCNN())
     for row in rows:
         config = {"train_size": row["train_size"], "world_size": row["world_size"], "batch_size": 4, "accum_steps": 4, "partial_window": "error"}
-        expected = lab.expected_epoch_counts(config, row["mode"], row["epoch"], sizes)
+        expected = experiment.expected_epoch_counts(config, row["mode"], row["epoch"], sizes)
         assert {key: expected[key] for key in row["audit"]} == row["audit"], row
 
 
@@ -81,8 +81,8 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
         time.sleep(0)
         return 1.0
 
-    monkeypatch.setattr(train.time, "perf_counter", clock_that_yields)
-    clock = train.CollectiveClock("cpu")
+    monkeypatch.setattr(audit.time, "perf_counter", clock_that_yields)
+    clock = audit.CollectiveClock("cpu")
     stops_per_thread = 2_000
 
     def stop_many():
@@ -118,15 +118,15 @@ def one_process_group(monkeypatch):
 )
 def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_group, change, named):
     cpu = torch.device("cpu")
-    train.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0])  # the lab's own wrapping passes
+    audit.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0])  # the lab's own wrapping passes
     hooks = change.pop("hooks", "counting")
-    ddp_model = train.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": lab.BUCKET_CAP_MB, "broadcast_buffers": True, **change})
+    ddp_model = audit.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, "broadcast_buffers": True, **change})
     if hooks != "none":
-        ddp_model.register_comm_hook(train.CommAudit(1), train.counting_allreduce_hook)
+        ddp_model.register_comm_hook(audit.CommAudit(1), train.counting_allreduce_hook)
     if hooks == "buffer":
         ddp_model._register_buffer_comm_hook(None, lambda state, buffers: [])
-    with pytest.raises(lab.LabError) as caught:
-        train.check_ddp_settings(ddp_model)
+    with pytest.raises(cli.LabError) as caught:
+        audit.check_ddp_settings(ddp_model)
     message = str(caught.value)
     assert message.startswith("DDP is wrapped with settings the audit's expected counts do not assume: ")
-    assert named in message and message.endswith("or change lab.expected_epoch_counts with them")
+    assert named in message and message.endswith("or change experiment.expected_epoch_counts with them")

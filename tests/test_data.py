@@ -8,9 +8,8 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
-import data
-import lab
-import synthetic_data
+from lab import cli, data
+from tools import synthetic_data
 from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train
 
 
@@ -29,7 +28,7 @@ def test_both_layouts_load_the_same_images(tmp_path, monkeypatch):
         tmp_path / "pickles", "torchvision", 100, 30
     )
     synthetic_data.write_dataset(tmp_path / "folders", "image-folders", 100, 30)
-    sums = md5_sums(tmp_path / "pickles" / lab.TORCHVISION_FOLDER)
+    sums = md5_sums(tmp_path / "pickles" / data.TORCHVISION_FOLDER)
     monkeypatch.setattr(CIFAR10, "train_list", [[name, sums[name]] for name, _ in CIFAR10.train_list])
     monkeypatch.setattr(CIFAR10, "test_list", [[name, sums[name]] for name, _ in CIFAR10.test_list])
     monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums["batches.meta"]})
@@ -52,7 +51,7 @@ def test_torchvision_refuses_files_that_fail_its_checksums(tmp_path, monkeypatch
     synthetic batches and tries to download the archive (here from a closed port, failing at once)."""
     synthetic_data.write_dataset(tmp_path / "pickles", "torchvision", 50, 10)
     monkeypatch.setattr(CIFAR10, "url", "http://127.0.0.1:9/cifar-10-python.tar.gz")
-    with pytest.raises(lab.LabError) as caught:
+    with pytest.raises(cli.LabError) as caught:
         data.prepare_data(tmp_path / "pickles")
     message = str(caught.value)
     assert message.startswith(f"CIFAR-10 could not be downloaded into {tmp_path / 'pickles'}/")
@@ -95,14 +94,14 @@ def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, frag
         Image.new("RGB", (64, 64)).save(root / "train" / "cat" / "big.png")
     elif damage == "no_test_split":
         shutil.rmtree(root / "test")
-    with pytest.raises(lab.LabError) as caught:
+    with pytest.raises(cli.LabError) as caught:
         data.load_data(root)
     assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
 
 
 def test_a_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "data").write_text("not a folder")
-    with pytest.raises(lab.LabError, match="--data-dir .* is a file; pass the folder that holds the dataset"):
+    with pytest.raises(cli.LabError, match="--data-dir .* is a file; pass the folder that holds the dataset"):
         data.load_data(tmp_path / "data")
 
 
@@ -110,7 +109,7 @@ def test_too_few_images_for_the_ranks(tmp_path):
     synthetic_data.write_dataset(tmp_path / "data", "image-folders", 10, 10)
     source = data.load_data(tmp_path / "data")
     source.test_images, source.test_labels = source.test_images[:1], source.test_labels[:1]
-    with pytest.raises(lab.LabError, match="too few images for 2 ranks: .*'test': 1"):
+    with pytest.raises(cli.LabError, match="too few images for 2 ranks: .*'test': 1"):
         data.make_split(source, seed=47, rank=0, world_size=2)
 
 
@@ -141,7 +140,7 @@ def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
 def test_torchvision_layout_end_to_end_counts(tmp_path):
     """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
     synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", 1000, 200)
-    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / lab.TORCHVISION_FOLDER)))
+    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / data.TORCHVISION_FOLDER)))
     for mode, syncs in (("every", 40), ("no_sync", 10)):
         result = run_train(tmp_path / "cifar", tmp_path / "artifacts" / mode, mode, "--epochs", "1", "--quiet", env=env)
         assert result.returncode == 0, result.stderr

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-import lab
-import synthetic_data
+from lab import records
+from tools import synthetic_data
 from conftest import TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, subprocess_env, train
 from model import CLASSES, CifarCNN, eval_transform
 
@@ -95,20 +95,20 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
     artifacts, _ = lab_runs
     for mode in EXPECTED:
         folder = artifacts / mode
-        record = read_json(folder / lab.RUN_RECORD_FILE)
-        profile_files = [lab.PROFILE_FILE, lab.PROFILE_TRACE_FILE]  # the shared runs are profiled (conftest)
-        assert sorted(path.name for path in folder.iterdir()) == sorted([*lab.RUN_FILES, *profile_files, lab.RUN_RECORD_FILE])
-        assert sorted(record["files"]) == sorted([*lab.RUN_FILES, *profile_files])
+        record = read_json(folder / records.RUN_RECORD_FILE)
+        profile_files = [records.PROFILE_FILE, records.PROFILE_TRACE_FILE]  # the shared runs are profiled (conftest)
+        assert sorted(path.name for path in folder.iterdir()) == sorted([*records.RUN_FILES, *profile_files, records.RUN_RECORD_FILE])
+        assert sorted(record["files"]) == sorted([*records.RUN_FILES, *profile_files])
         for name, entry in record["files"].items():
-            assert entry["sha256"] == lab.sha256_file(folder / name)
+            assert entry["sha256"] == records.sha256_file(folder / name)
         checkpoint = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         assert checkpoint["run_id"] == record["run_id"] == read_json(folder / "report.json")["run_id"]
-        assert lab.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
+        assert records.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
         config = record["config"]
         assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 10, 4, 2)
         assert (config["train_size"], config["validation_size"], config["test_size"]) == (800, 200, TEST_IMAGES)
         assert (config["device"], config["backend"]) == ("cpu", "gloo")
-        assert lab.unfinished_runs(folder) == []
+        assert records.unfinished_runs(folder) == []
 
 
 def test_progress_goes_to_stderr_and_quiet_silences_it(lab_runs):
@@ -171,8 +171,8 @@ def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_
     artifacts, _ = lab_runs
     assert_ok(train(image_data, tmp_path / mode, mode, "--quiet"))
     folders = (artifacts / mode, tmp_path / mode)
-    assert (folders[0] / lab.PROFILE_FILE).is_file()
-    assert not (folders[1] / lab.PROFILE_FILE).exists() and not (folders[1] / lab.PROFILE_TRACE_FILE).exists()
+    assert (folders[0] / records.PROFILE_FILE).is_file()
+    assert not (folders[1] / records.PROFILE_FILE).exists() and not (folders[1] / records.PROFILE_TRACE_FILE).exists()
     first, second = (read_json(folder / "history.json") for folder in folders)
     assert [{k: v for k, v in row.items() if k not in TIMING} for row in first] == [
         {k: v for k, v in row.items() if k not in TIMING} for row in second

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import lab
+from lab import records
 from conftest import (
     REPO,
     SMALL_RUN,
@@ -77,7 +77,7 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
     result = train(image_data, tmp_path / "out", "every", "--batch-size", "30")
     line = assert_train_error(result, "RuntimeError: 14 micro-batch-uri nu se împart exact la accum_steps=4")
     assert "--partial-window scale" in line
-    assert not tmp_path.joinpath("out").exists() and lab.unfinished_runs(tmp_path / "out") == []
+    assert not tmp_path.joinpath("out").exists() and records.unfinished_runs(tmp_path / "out") == []
 
 
 def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
@@ -120,7 +120,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     artifacts, _ = lab_runs
     output = tmp_path / "every"
     shutil.copytree(artifacts / "every", output)
-    previous_run = read_json(output / lab.RUN_RECORD_FILE)["run_id"]
+    previous_run = read_json(output / records.RUN_RECORD_FILE)["run_id"]
     launcher = subprocess.Popen(
         [*TORCHRUN, str(REPO / "train.py"), "--mode", "every", "--output", str(output), "--data-dir", str(image_data), *SMALL_RUN, "--epochs", "50", "--progress-every", "0"],
         stdout=subprocess.PIPE,
@@ -143,8 +143,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
     # The output still holds the previous complete run; the interrupted one is only a partial folder.
-    assert read_json(output / lab.RUN_RECORD_FILE)["run_id"] == previous_run
-    assert len(lab.unfinished_runs(output)) == 1
+    assert read_json(output / records.RUN_RECORD_FILE)["run_id"] == previous_run
+    assert len(records.unfinished_runs(output)) == 1
     shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
     audit = run_python("verify.py", "--artifacts", tmp_path, "--expect-from-config")
     assert audit.returncode == 0, audit.stdout + audit.stderr

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import data
-import lab
-import synthetic_data
+from lab import data, records
+from tools import synthetic_data
 from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, run_python, train
 
 CPU = torch.device("cpu")
@@ -138,7 +137,7 @@ def test_a_cache_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_pat
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(lab.os, "fsync", full_disk)
+    monkeypatch.setattr(records.os, "fsync", full_disk)
     data.prepare_data(root)
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"data: could not cache the decoded images in {root}/.decoded-")
@@ -153,10 +152,10 @@ def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_lo
     shutil.copytree(artifacts / "every", mixed / "every")
     result = assert_ok(train(image_data, mixed / "no_sync", "no_sync", "--loader", "pil", "--quiet"))
     rows = [json.loads(line) for line in result.stdout.splitlines()[:2]]
-    tensor_rows = read_json(artifacts / "no_sync" / lab.HISTORY_FILE)
+    tensor_rows = read_json(artifacts / "no_sync" / records.HISTORY_FILE)
     counts = ("optimizer_steps", "gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes")
     assert [[row[key] for key in counts] for row in rows] == [[row[key] for key in counts] for row in tensor_rows]
-    record = read_json(mixed / "no_sync" / lab.RUN_RECORD_FILE)
+    record = read_json(mixed / "no_sync" / records.RUN_RECORD_FILE)
     assert record["config"]["loader"] == "pil" and record["config"]["train_size"] == SOURCE_IMAGES * 4 // 5
     audit = run_python("verify.py", "--artifacts", mixed, "--expect-from-config")
     assert_one_line_error(audit, "come from different configurations (loader: 'tensor' vs 'pil')", code=1)

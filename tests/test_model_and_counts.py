@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-import lab
+from lab import cli, experiment, records
 from model import CLASSES, CIFAR10_MEAN, CIFAR10_STD, CifarCNN
 
 # Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.
@@ -29,8 +29,8 @@ def test_class_names_and_normalization_are_the_documents():
 
 
 def test_communication_sizes_fit_one_bucket():
-    sizes = lab.comm_sizes(CifarCNN())
-    assert sizes == lab.CommSizes(
+    sizes = experiment.comm_sizes(CifarCNN())
+    assert sizes == experiment.CommSizes(
         gradient_bytes=GRADIENT_BYTES, gradient_buckets=1, buffer_bytes=BUFFER_BYTES, buffer_dtype_groups=2
     )
     assert GRADIENT_BYTES < 25 * 1024 * 1024
@@ -38,11 +38,11 @@ def test_communication_sizes_fit_one_bucket():
 
 def test_documented_experiment_counts():
     """400 micro-batches per rank and epoch: 100 steps; 400 syncs in every, 100 in no_sync."""
-    assert lab.micro_batches_per_rank(40_000, 2, 50) == 400
-    sizes = lab.comm_sizes(CifarCNN())
+    assert experiment.micro_batches_per_rank(40_000, 2, 50) == 400
+    sizes = experiment.comm_sizes(CifarCNN())
     for epoch, every_buffer_syncs, no_sync_buffer_syncs in ((1, 401, 101), (2, 400, 100), (5, 400, 100)):
-        every = lab.expected_epoch_counts(lab.DOCUMENTED, "every", epoch, sizes)
-        no_sync = lab.expected_epoch_counts(lab.DOCUMENTED, "no_sync", epoch, sizes)
+        every = experiment.expected_epoch_counts(experiment.DOCUMENTED, "every", epoch, sizes)
+        no_sync = experiment.expected_epoch_counts(experiment.DOCUMENTED, "no_sync", epoch, sizes)
         assert every == {
             "optimizer_steps": 100,
             "gradient_syncs": 400,
@@ -64,15 +64,15 @@ def test_documented_experiment_counts():
 
 
 def test_window_plan_syncs_and_steps_on_the_last_micro_batch_of_each_window():
-    plan = lab.window_plan(8, 4, "error")
+    plan = experiment.window_plan(8, 4, "error")
     assert [(m.sync, m.loss_divisor, m.step) for m in plan] == [(False, 4, False)] * 3 + [(True, 4, True)] + [
         (False, 4, False)
     ] * 3 + [(True, 4, True)]
 
 
 def test_partial_window_stops_with_the_documents_message():
-    with pytest.raises(lab.LabError) as caught:
-        lab.window_plan(401, 4, "error")
+    with pytest.raises(cli.LabError) as caught:
+        experiment.window_plan(401, 4, "error")
     assert caught.value.line("train.py").startswith(
         "RuntimeError: 401 micro-batch-uri nu se împart exact la accum_steps=4"
     )
@@ -80,7 +80,7 @@ def test_partial_window_stops_with_the_documents_message():
 
 
 def test_partial_window_scale_divides_the_short_window_by_its_length():
-    plan = lab.window_plan(6, 4, "scale")
+    plan = experiment.window_plan(6, 4, "scale")
     assert [(m.sync, m.loss_divisor, m.step) for m in plan] == [
         (False, 4, False),
         (False, 4, False),
@@ -89,45 +89,45 @@ def test_partial_window_scale_divides_the_short_window_by_its_length():
         (False, 2, False),
         (True, 2, True),
     ]
-    config = {**lab.DOCUMENTED, "train_size": 1_200, "batch_size": 100, "partial_window": "scale"}
-    counts = lab.expected_epoch_counts(config, "no_sync", 1, lab.comm_sizes(CifarCNN()))
+    config = {**experiment.DOCUMENTED, "train_size": 1_200, "batch_size": 100, "partial_window": "scale"}
+    counts = experiment.expected_epoch_counts(config, "no_sync", 1, experiment.comm_sizes(CifarCNN()))
     assert (counts["optimizer_steps"], counts["gradient_syncs"]) == (2, 2)
 
 
 def test_buffer_broadcasts_follow_synchronized_forwards():
     """Before the first forward, then before each forward that follows a synchronized one; the
     validation pass adds one; an epoch after an evaluation starts without one."""
-    plan = lab.window_plan(8, 4, "error")
-    assert lab.buffer_syncs_in_epoch(plan, "every", first_epoch=True) == 8 + 1
-    assert lab.buffer_syncs_in_epoch(plan, "every", first_epoch=False) == 7 + 1
-    assert lab.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=True) == 2 + 1
-    assert lab.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=False) == 1 + 1
+    plan = experiment.window_plan(8, 4, "error")
+    assert experiment.buffer_syncs_in_epoch(plan, "every", first_epoch=True) == 8 + 1
+    assert experiment.buffer_syncs_in_epoch(plan, "every", first_epoch=False) == 7 + 1
+    assert experiment.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=True) == 2 + 1
+    assert experiment.buffer_syncs_in_epoch(plan, "no_sync", first_epoch=False) == 1 + 1
 
 
 def test_bucket_rebuild_happens_at_the_first_training_forward_after_a_sync():
-    assert lab.bucket_rebuild_epoch(lab.window_plan(8, 4, "error"), "no_sync") == 1
-    assert lab.bucket_rebuild_epoch(lab.window_plan(2, 1, "error"), "every") == 1
+    assert experiment.bucket_rebuild_epoch(experiment.window_plan(8, 4, "error"), "no_sync") == 1
+    assert experiment.bucket_rebuild_epoch(experiment.window_plan(2, 1, "error"), "every") == 1
     # One window per epoch: no_sync's first sync is the epoch's last forward; the rebuild waits for epoch 2.
-    assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "no_sync") == 2
-    assert lab.bucket_rebuild_epoch(lab.window_plan(4, 4, "error"), "every") == 1
+    assert experiment.bucket_rebuild_epoch(experiment.window_plan(4, 4, "error"), "no_sync") == 2
+    assert experiment.bucket_rebuild_epoch(experiment.window_plan(4, 4, "error"), "every") == 1
 
 
 def test_run_folder_publishes_all_at_once_and_clears_stale_partials(tmp_path):
     output = tmp_path / "every"
     output.mkdir()
-    (output / lab.HISTORY_FILE).write_text("[] (the previous run)")
+    (output / records.HISTORY_FILE).write_text("[] (the previous run)")
     stale = tmp_path / ".every.partial-killedrun"
     stale.mkdir()
-    folder = lab.RunFolder(output, "newrun")
+    folder = records.RunFolder(output, "newrun")
     folder.begin()
     assert not stale.exists() and folder.partial.is_dir()
-    folder.write(lab.HISTORY_FILE, b"[]\n")
-    assert (output / lab.HISTORY_FILE).read_text() == "[] (the previous run)"  # untouched until published
+    folder.write(records.HISTORY_FILE, b"[]\n")
+    assert (output / records.HISTORY_FILE).read_text() == "[] (the previous run)"  # untouched until published
     folder.publish({"run_id": "newrun"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["every"]  # no partial or replaced folder left
-    record = json.loads((output / lab.RUN_RECORD_FILE).read_text())
+    record = json.loads((output / records.RUN_RECORD_FILE).read_text())
     assert record["run_id"] == "newrun"
-    assert record["files"][lab.HISTORY_FILE]["sha256"] == lab.sha256_file(output / lab.HISTORY_FILE)
+    assert record["files"][records.HISTORY_FILE]["sha256"] == records.sha256_file(output / records.HISTORY_FILE)
 
 
 def test_top_confusions_are_off_diagonal_by_count_then_class_order():
@@ -136,7 +136,7 @@ def test_top_confusions_are_off_diagonal_by_count_then_class_order():
     matrix[3][5] = 7
     matrix[5][3] = 7
     matrix[1][9] = 9
-    assert lab.top_confusions(matrix) == [
+    assert records.top_confusions(matrix) == [
         {"true": "automobile", "predicted": "truck", "count": 9},
         {"true": "cat", "predicted": "dog", "count": 7},
         {"true": "dog", "predicted": "cat", "count": 7},

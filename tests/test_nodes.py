@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-import lab
+from tools import loopback
 from conftest import PROFILED, REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env
 from test_faults import rank_pid
 
@@ -23,11 +23,11 @@ NODE_FAILURE_SECONDS = 60
 
 def start_nodes(folders, *node_args, env=None, node_env=({}, {})):
     """train.py on two nodes, node r started in folders[r] with node_args[r] and node_env[r] added to env."""
-    port = lab.free_loopback_port()
+    port = loopback.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
     for node, (folder, args, own_env) in enumerate(zip(folders, node_args, node_env)):
-        command = lab.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
+        command = loopback.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
         # One core per node, as torchrun itself sets for several processes on one machine.
         node_variables = {**env, "OMP_NUM_THREADS": "1", **own_env}
         launchers.append(subprocess.Popen(command, cwd=folder, env=node_variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

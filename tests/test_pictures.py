@@ -5,9 +5,9 @@ import json
 import pytest
 from PIL import Image
 
-import lab
+from lab import experiment, records, tables
 from conftest import copy_runs, read_json, run_python
-from plots import COLLECTIVE_COLOURS, MODE_COLOURS
+from lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def luminance(pixel):
 
 
 def test_confusion_matrix_picture_shows_the_reports_matrix(audited):
-    for mode in lab.MODES:
-        image, data = picture(audited / mode / lab.CONFUSION_FILE)
+    for mode in experiment.MODES:
+        image, data = picture(audited / mode / records.CONFUSION_FILE)
         report = read_json(audited / mode / "report.json")
         assert image.size == (702, 726)
         assert image.text["run_id"] == report["run_id"]
@@ -45,9 +45,9 @@ def test_confusion_matrix_picture_shows_the_reports_matrix(audited):
 
 
 def test_curves_picture_plots_the_histories(audited):
-    image, data = picture(audited / lab.CURVES_FILE)
+    image, data = picture(audited / tables.CURVES_FILE)
     assert image.size == (1096, 420)
-    histories = {mode: read_json(audited / mode / "history.json") for mode in lab.MODES}
+    histories = {mode: read_json(audited / mode / "history.json") for mode in experiment.MODES}
     assert [panel["title"] for panel in data["panels"]] == ["loss per epoch", "accuracy per epoch"]
     for panel, metric in zip(data["panels"], ("loss", "accuracy")):
         assert len(panel["series"]) == 4
@@ -71,9 +71,9 @@ def test_curves_picture_plots_the_histories(audited):
 
 
 def test_communication_picture_plots_the_counts(audited):
-    image, data = picture(audited / lab.COMMUNICATION_FILE)
+    image, data = picture(audited / tables.COMMUNICATION_FILE)
     assert image.size == (1096, 772)
-    histories = {mode: read_json(audited / mode / "history.json") for mode in lab.MODES}
+    histories = {mode: read_json(audited / mode / "history.json") for mode in experiment.MODES}
     keys = ("gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "comm_seconds")
     scales = (1, 1e6, 1, 1)
     for panel, key, scale in zip(data["panels"], keys, scales):
@@ -91,13 +91,13 @@ def test_communication_picture_plots_the_counts(audited):
 
 def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
     """every's window holds 4 gradient all-reduces on each rank, no_sync's 1; each drawn at its time."""
-    image, data = picture(audited / lab.TIMELINE_FILE)
+    image, data = picture(audited / tables.TIMELINE_FILE)
     assert [panel["title"] for panel in data["panels"]] == [
         "every: window 3 of epoch 1 (micro-batches 8-11)",
         "no_sync: window 3 of epoch 1 (micro-batches 8-11)",
     ]
-    for panel, mode, gradient_all_reduces in zip(data["panels"], lab.MODES, (4, 1)):
-        profile = read_json(audited / mode / lab.PROFILE_FILE)
+    for panel, mode, gradient_all_reduces in zip(data["panels"], experiment.MODES, (4, 1)):
+        profile = read_json(audited / mode / records.PROFILE_FILE)
         assert [lane["label"] for lane in panel["lanes"]] == ["rank 0", "rank 1"]
         for lane, summary in zip(panel["lanes"], profile["ranks"]):
             assert lane["counts"] == {"gradient all-reduce": gradient_all_reduces, "rank-agreement all-reduce": 1, "broadcast": 2 * gradient_all_reduces}

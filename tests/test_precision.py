@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import precision
+from lab import precision
 from conftest import (
     assert_ok,
     assert_one_line_error,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import lab
+from lab import records, tables
 from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, run_python, train
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
@@ -24,7 +24,7 @@ def runs(lab_runs, tmp_path):
 def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_windows(lab_runs):
     artifacts, _ = lab_runs
     for mode, calls in EXPECTED_CALLS.items():
-        profile = read_json(artifacts / mode / lab.PROFILE_FILE)
+        profile = read_json(artifacts / mode / records.PROFILE_FILE)
         assert (profile["windows"], profile["micro_batches"]) == (2, [8, 16])
         assert [summary["rank"] for summary in profile["ranks"]] == [0, 1]
         for summary in profile["ranks"]:
@@ -45,7 +45,7 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
 def test_the_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):
     artifacts, _ = lab_runs
     for mode, calls in EXPECTED_CALLS.items():
-        events = json.loads((artifacts / mode / lab.PROFILE_TRACE_FILE).read_bytes())["traceEvents"]
+        events = json.loads((artifacts / mode / records.PROFILE_TRACE_FILE).read_bytes())["traceEvents"]
         names = [event.get("name") for event in events]
         assert sorted(name for name in names if name.startswith("micro-batch ")) == sorted(f"micro-batch {i}" for i in range(8, 16))
         assert names.count("c10d::allreduce_") == names.count("gloo:all_reduce") == calls["c10d::allreduce_"]
@@ -58,9 +58,9 @@ def reseal(folder, name, change):
     value = read_json(path)
     change(value)
     path.write_text(json.dumps(value))
-    record = read_json(folder / lab.RUN_RECORD_FILE)
-    record["files"][name] = {"bytes": path.stat().st_size, "sha256": lab.sha256_file(path)}
-    (folder / lab.RUN_RECORD_FILE).write_text(json.dumps(record))
+    record = read_json(folder / records.RUN_RECORD_FILE)
+    record["files"][name] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    (folder / records.RUN_RECORD_FILE).write_text(json.dumps(record))
 
 
 def audit(artifacts):
@@ -68,7 +68,7 @@ def audit(artifacts):
 
 
 def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
-    reseal(runs / "no_sync", lab.PROFILE_FILE, lambda profile: profile["ranks"][1]["calls"].update({"c10d::allreduce_": 5}))
+    reseal(runs / "no_sync", records.PROFILE_FILE, lambda profile: profile["ranks"][1]["calls"].update({"c10d::allreduce_": 5}))
     assert_one_line_error(
         audit(runs),
         f"{runs}/no_sync/profile.json: rank 1: the profiler saw 5 c10d::allreduce_ calls in epoch 1, micro-batches "
@@ -78,27 +78,27 @@ def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
 
 
 def test_an_audit_that_disagrees_with_the_positions_fails(runs):
-    reseal(runs / "every", lab.PROFILE_FILE, lambda profile: profile["ranks"][0]["audit"].update(gradient_syncs=7))
+    reseal(runs / "every", records.PROFILE_FILE, lambda profile: profile["ranks"][0]["audit"].update(gradient_syncs=7))
     assert_one_line_error(
         audit(runs), "rank 0: the audit counted 7 gradient syncs in epoch 1, micro-batches 8-15, the history's positions put 8 there", code=1
     )
 
 
 def test_a_call_that_gloo_never_executed_fails(runs):
-    reseal(runs / "every", lab.PROFILE_FILE, lambda profile: profile["ranks"][0]["executions"].update({"c10d::broadcast_": 15}))
+    reseal(runs / "every", records.PROFILE_FILE, lambda profile: profile["ranks"][0]["executions"].update({"c10d::broadcast_": 15}))
     assert_one_line_error(audit(runs), "rank 0: 16 c10d::broadcast_ calls but 15 executions on gloo's threads", code=1)
 
 
 def test_a_profile_that_is_not_the_runs_own_fails(runs):
-    (runs / "every" / lab.PROFILE_FILE).unlink()
-    record = read_json(runs / "every" / lab.RUN_RECORD_FILE)
-    del record["files"][lab.PROFILE_FILE]
-    (runs / "every" / lab.RUN_RECORD_FILE).write_text(json.dumps(record))
+    (runs / "every" / records.PROFILE_FILE).unlink()
+    record = read_json(runs / "every" / records.RUN_RECORD_FILE)
+    del record["files"][records.PROFILE_FILE]
+    (runs / "every" / records.RUN_RECORD_FILE).write_text(json.dumps(record))
     result = audit(runs)  # one run profiled and the other not: audited, but no timeline
     assert result.returncode == 0, result.stderr
     assert "note: timeline.png needs both runs profiled (train.py --profile-windows K); every was not" in result.stdout
-    assert not (runs / lab.TIMELINE_FILE).exists()
-    (runs / "every" / lab.PROFILE_FILE).write_bytes((runs / "no_sync" / lab.PROFILE_FILE).read_bytes())
+    assert not (runs / tables.TIMELINE_FILE).exists()
+    (runs / "every" / records.PROFILE_FILE).write_bytes((runs / "no_sync" / records.PROFILE_FILE).read_bytes())
     assert_one_line_error(audit(runs), f"{runs}/every/profile.json: is not listed in run.json: it does not come from this run", code=1)
 
 
@@ -109,7 +109,7 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
         "--profile-windows 9 needs 11 windows of 4 micro-batches in an epoch (one skipped, one of warm-up, 9 profiled); "
         "an epoch here has 40 micro-batches: pass --profile-windows 8 or less",
     )
-    assert not (tmp_path / "out").exists() and lab.unfinished_runs(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists() and records.unfinished_runs(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize(
@@ -121,5 +121,5 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
     ],
 )
 def test_a_profile_with_malformed_spans_is_one_line(runs, change, message):
-    reseal(runs / "every", lab.PROFILE_FILE, lambda profile: change(profile["ranks"][1]))
+    reseal(runs / "every", records.PROFILE_FILE, lambda profile: change(profile["ranks"][1]))
     assert_one_line_error(audit(runs), f"{runs}/every/profile.json: {message}", code=1)

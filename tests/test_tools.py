@@ -4,8 +4,8 @@ import subprocess
 
 import torch
 
-import lab
-from precision import choose_precision
+from lab import launch
+from lab.precision import choose_precision
 from conftest import REPO, assert_one_line_error, run_python
 
 
@@ -24,7 +24,7 @@ def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
 
 def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
     (tmp_path / "data").mkdir()
-    assert_one_line_error(run_python("synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it")
+    assert_one_line_error(run_python("tools/synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it")
 
 
 def test_make_clean_removes_only_the_labs_outputs(tmp_path):
@@ -42,10 +42,10 @@ def test_make_clean_removes_only_the_labs_outputs(tmp_path):
 
 
 def test_one_device_policy_per_node(monkeypatch):
-    """lab.node_device, used by train.py --device auto and check_env.py: CUDA only with a GPU per process."""
+    """launch.node_device, used by train.py --device auto and check_env.py: CUDA only with a GPU per process."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert lab.node_device(1) == ("cuda", 1)  # 2 nodes x 1 GPU: each node runs one process on its GPU
-    assert lab.node_device(2) == ("cpu", 1)  # one GPU for two processes: CPU
+    assert launch.node_device(1) == ("cuda", 1)  # 2 nodes x 1 GPU: each node runs one process on its GPU
+    assert launch.node_device(2) == ("cpu", 1)  # one GPU for two processes: CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert lab.node_device(1) == ("cpu", 0)
+    assert launch.node_device(1) == ("cpu", 0)

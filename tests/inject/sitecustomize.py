@@ -109,17 +109,17 @@ if os.environ.get("LAB_TEST_SYNC_DEBUG"):
 if os.environ.get("LAB_TEST_BROKEN_LOOP") in ("sync_first", "step_inside"):
     import dataclasses
 
-    import lab
+    from lab import experiment
 
     moved_field = "sync" if os.environ["LAB_TEST_BROKEN_LOOP"] == "sync_first" else "step"
-    window_plan = lab.window_plan
+    window_plan = experiment.window_plan
 
     def plan_with_the_flag_on_each_windows_first_micro_batch(*args, **kwargs):
         plan = window_plan(*args, **kwargs)
         window_starts = {0} | {index + 1 for index, micro_step in enumerate(plan) if micro_step.step}
         return [dataclasses.replace(micro_step, **{moved_field: index in window_starts}) for index, micro_step in enumerate(plan)]
 
-    lab.window_plan = plan_with_the_flag_on_each_windows_first_micro_batch
+    experiment.window_plan = plan_with_the_flag_on_each_windows_first_micro_batch
 
 if os.environ.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
     import contextlib

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import lab  # noqa: E402
+from lab import audit, cli, experiment  # noqa: E402
 import train  # noqa: E402
 from model import CifarCNN  # noqa: E402
 
@@ -33,13 +33,13 @@ def hook_calls_per_sync(bucket_cap_mb, loader):
     """Hook calls in each of three synchronized backwards, the first before DDP rebuilds its buckets."""
     options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp_model = DDP(CifarCNN(), **options)
-    audit = train.CommAudit(world_size=dist.get_world_size())
-    ddp_model.register_comm_hook(audit, train.counting_allreduce_hook)
+    comm_audit = audit.CommAudit(world_size=dist.get_world_size())
+    ddp_model.register_comm_hook(comm_audit, train.counting_allreduce_hook)
     calls = []
     for (inputs, targets), _ in zip(loader, range(3)):
-        before = audit.sync_bucket_calls
+        before = comm_audit.sync_bucket_calls
         nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
-        calls.append(audit.sync_bucket_calls - before)
+        calls.append(comm_audit.sync_bucket_calls - before)
     return calls
 
 
@@ -59,28 +59,28 @@ def main():
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     evaluation = DataLoader(data, batch_size=BATCH)
-    plan = lab.window_plan(MICRO_BATCHES, ACCUM, "error")
-    progress = train.Progress(enabled=False, interval=0)
+    plan = experiment.window_plan(MICRO_BATCHES, ACCUM, "error")
+    progress = cli.Progress(enabled=False, interval=0)
     criterion = nn.CrossEntropyLoss()
     rows = []
     for mode in ("every", "no_sync"):
-        ddp_model, audit = train.wrap_model(CifarCNN(), CPU, world_size)
+        ddp_model, comm_audit = train.wrap_model(CifarCNN(), CPU, world_size)
         optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
         for epoch in range(1, EPOCHS + 1):
             sampler.set_epoch(epoch)
-            before = audit.totals()
+            before = comm_audit.totals()
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
                 _, trace = train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress)
                 buffers_equal_after_training = buffers_equal_rank_0s(ddp_model.module)
                 train.evaluate(ddp_model, evaluation, criterion, CPU, nullcontext, progress, "validation")
                 buffers_equal_after_evaluation = buffers_equal_rank_0s(ddp_model.module)
-            after = audit.totals()
+            after = comm_audit.totals()
             events = Counter(event.name for event in profiler.events())
             rows.append(
                 {
                     "mode": mode,
                     "epoch": epoch,
-                    "audit": {key: after[key] - before[key] for key in train.CommAudit.COUNTS},
+                    "audit": {key: after[key] - before[key] for key in experiment.COUNTS},
                     "profiler_allreduces": events["c10d::allreduce_"],
                     "profiler_broadcasts": events["c10d::broadcast_"],
                     "optimizer_steps": len(trace.step_positions),
@@ -89,10 +89,10 @@ def main():
                     "world_size": world_size,
                 }
             )
-    hook_calls = {"default": hook_calls_per_sync(None, loader), "25": hook_calls_per_sync(lab.BUCKET_CAP_MB, loader)}
+    hook_calls = {"default": hook_calls_per_sync(None, loader), "25": hook_calls_per_sync(experiment.BUCKET_CAP_MB, loader)}
     if dist.get_rank() == 0:
         print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls}), flush=True)
-    train.settle_comm_hooks()
+    audit.settle_comm_hooks()
     dist.destroy_process_group()
 
 

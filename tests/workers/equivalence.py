@@ -3,7 +3,7 @@
 Trains a few optimizer steps with the lab's own loop (train.train_epoch, train.wrap_model: DDP with the
 counting hook) in `every` and `no_sync` mode, and in one process that runs both ranks' micro-batches in order
 and accumulates their gradients by hand, its windows and divisors written out here independently of
-lab.window_plan. It records the synchronized gradients before each optimizer step and the parameters after
+experiment.window_plan. It records the synchronized gradients before each optimizer step and the parameters after
 it, and prints (rank 0) one JSON object: per precision, case and variant, the relative differences from the
 hand-made reference after each step. In float32 it also compares each mode with a reference that sums in
 that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import lab  # noqa: E402
+from lab import audit, cli, experiment  # noqa: E402
 import train  # noqa: E402
-from model import IMAGE_SIZE, CifarCNN  # noqa: E402
-from precision import choose_precision  # noqa: E402
+from model import IMAGE_SIZE, MEMORY_FORMAT, CifarCNN  # noqa: E402
+from lab.precision import choose_precision  # noqa: E402
 
 BATCH, ACCUM, SEED = 8, 4, 47
 BF16_IMAGE_SIZE = 8
@@ -65,7 +65,7 @@ def recorder(model, optimizer):
 
 
 def new_model(initial_state, dtype):
-    model = CifarCNN().to(dtype, memory_format=train.MEMORY_FORMAT)  # as train.py holds it
+    model = CifarCNN().to(dtype, memory_format=MEMORY_FORMAT)  # as train.py holds it
     model.load_state_dict(initial_state)
     return model
 
@@ -76,7 +76,7 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
     optimizer = new_optimizer(ddp_model)
     record = recorder(ddp_model, optimizer)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
-    progress = train.Progress(enabled=False, interval=0)
+    progress = cli.Progress(enabled=False, interval=0)
     train.train_epoch(ddp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, autocast, progress)
     record["gradient_syncs"] = audit.gradient_syncs
     # Every rank's parameters after each step, to check that the replicas agree.
@@ -110,7 +110,7 @@ def reference_run(initial_state, data, world_size, dtype, summation, autocast):
 
     def gradient(rank, micro_batch, divisor):
         inputs, targets = data[rank_batches[rank][micro_batch]]
-        inputs = inputs.contiguous(memory_format=train.MEMORY_FORMAT)  # as train.train_epoch passes them
+        inputs = inputs.contiguous(memory_format=MEMORY_FORMAT)  # as train.train_epoch passes them
         with autocast():
             loss = criterion(model(inputs), targets)
         return torch.autograd.grad(loss / divisor, parameters)
@@ -169,7 +169,7 @@ def hook_keeps_ddp_averaging(initial_state, data, rank, world_size, dtype):
     counting hook: the synchronized gradients must be identical."""
     inputs, targets = data[list(sampler(data, rank, world_size))[:BATCH]]
     gradients = []
-    for wrap in (lambda m: DDP(m, bucket_cap_mb=lab.BUCKET_CAP_MB), lambda m: train.wrap_model(m, CPU, world_size)[0]):
+    for wrap in (lambda m: DDP(m, bucket_cap_mb=experiment.BUCKET_CAP_MB), lambda m: train.wrap_model(m, CPU, world_size)[0]):
         ddp_model = wrap(new_model(initial_state, dtype))
         nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
         gradients.append(flat(p.grad for p in ddp_model.parameters()))
@@ -208,7 +208,7 @@ def main():
         results[name] = {"hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)}
         for case, micro_batches, partial_window in precision_cases:
             data = dataset(micro_batches, world_size, dtype, image_size)
-            plan = lab.window_plan(micro_batches, ACCUM, partial_window)
+            plan = experiment.window_plan(micro_batches, ACCUM, partial_window)
             reference = reference_run(initial_state, data, world_size, dtype, "one_sum", autocast)
             with_broken = name != "float32"
             chosen = variants(plan, partial_window) if with_broken else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
@@ -216,12 +216,12 @@ def main():
             for variant, (variant_plan, mode) in chosen.items():
                 record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype, autocast)
                 results[name][case][variant] = compare(record, reference)
-                if variant in lab.MODES and name == "float32":  # the same mean, summed in the mode's order
+                if variant in experiment.MODES and name == "float32":  # the same mean, summed in the mode's order
                     same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
     if rank == 0:
         print(json.dumps(results), flush=True)
-    train.settle_comm_hooks()
+    audit.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
+
 import numpy as np
 import torch
 from PIL import Image
@@ -24,9 +26,15 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
-import lab
+from lab.cli import LabError
+from lab.experiment import VALIDATION_FRACTION, split_sizes
+from lab.records import write_atomic
 from model import CLASSES, IMAGE_SIZE, eval_transform, normalize
 
+# The two dataset layouts train.py reads: image folders train/<class>/ and test/<class>/ holding these files,
+# or torchvision's CIFAR-10 (its pickled batches in this folder).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+TORCHVISION_FOLDER = "cifar-10-batches-py"
 LOADERS = ("tensor", "pil")
 CIFAR10_ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CROP_PADDING = 4
@@ -45,6 +53,11 @@ train_transform = transforms.Compose(
 
 
 # ----------------------------------------------------------------------------- the dataset in memory
+
+
+def is_image_folder_tree(data_dir):
+    """Image folders take precedence: a data folder with train/ or test/ is read as one."""
+    return (Path(data_dir) / "train").exists() or (Path(data_dir) / "test").exists()
 
 
 @dataclass
@@ -79,9 +92,9 @@ def decode_cifar_image(path):
         with Image.open(path) as image:
             rgb = image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:
-        raise lab.LabError(f"{path}: not a readable image ({error}); remove or replace it") from None
+        raise LabError(f"{path}: not a readable image ({error}); remove or replace it") from None
     if rgb.size != (IMAGE_SIZE, IMAGE_SIZE):
-        raise lab.LabError(
+        raise LabError(
             f"{path}: {rgb.size[0]}x{rgb.size[1]} pixels, CIFAR-10 images are {IMAGE_SIZE}x{IMAGE_SIZE}; "
             f"resize or remove it"
         )
@@ -95,20 +108,20 @@ def image_split_files(split_dir):
     pathlib objects they took 2).
     """
     if not split_dir.is_dir():
-        raise lab.LabError(
+        raise LabError(
             f"{split_dir} is missing: an image-folder dataset needs {split_dir.parent}/train/<class>/ and "
             f"{split_dir.parent}/test/<class>/ with the ten classes ({', '.join(CLASSES)})"
         )
     present = {entry.name for entry in split_dir.iterdir() if entry.is_dir()}
     missing = [name for name in CLASSES if name not in present]
     if missing:
-        raise lab.LabError(
+        raise LabError(
             f"{split_dir} lacks class folders: {', '.join(missing)} (it needs one folder per CIFAR-10 class: "
             f"{', '.join(CLASSES)})"
         )
     unknown = sorted(present - set(CLASSES))
     if unknown:
-        raise lab.LabError(
+        raise LabError(
             f"{split_dir} has folders that are not CIFAR-10 classes: {', '.join(unknown)}; move them out "
             f"(the classes are {', '.join(CLASSES)})"
         )
@@ -118,10 +131,10 @@ def image_split_files(split_dir):
             images = sorted(
                 (entry.path, label, entry.stat())
                 for entry in entries
-                if entry.is_file() and os.path.splitext(entry.name)[1].lower() in lab.IMAGE_SUFFIXES
+                if entry.is_file() and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES
             )
         if not images:
-            raise lab.LabError(f"{split_dir / name} holds no PNG or JPEG images; every class needs some")
+            raise LabError(f"{split_dir / name} holds no PNG or JPEG images; every class needs some")
         files.extend(images)
     return files
 
@@ -151,7 +164,7 @@ def write_decoded_cache(cache, source):
         test_labels=np.asarray(source.test_labels, dtype=np.int64),
     )
     try:
-        lab.write_atomic(cache, arrays.getbuffer())
+        write_atomic(cache, arrays.getbuffer())
     except OSError as error:
         print(
             f"data: could not cache the decoded images in {cache} ({error.strerror}); every run will decode them",
@@ -188,7 +201,7 @@ def image_folder_files(data_dir):
 
 def download_failure(data_dir, error):
     reason = " ".join(f"{type(error).__name__}: {error}".split())
-    return lab.LabError(
+    return LabError(
         f"CIFAR-10 could not be downloaded into {data_dir}/ ({reason}). Provide it without network: put the "
         f"official archive {CIFAR10_ARCHIVE_URL} into {data_dir}/, or an image-folder tree "
         f"{data_dir}/train/<class>/*.png and {data_dir}/test/<class>/*.png, then run again"
@@ -197,14 +210,14 @@ def download_failure(data_dir, error):
 
 def check_data_dir(data_dir):
     if data_dir.exists() and not data_dir.is_dir():
-        raise lab.LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
+        raise LabError(f"--data-dir {data_dir} is a file; pass the folder that holds the dataset")
 
 
 def prepare_data(data_dir):
     """Run by one process per node: download torchvision's CIFAR-10 into data_dir unless the data are there
     (torchvision checks the archive's and the files' md5 sums), or decode an image-folder tree into its cache."""
     check_data_dir(data_dir)
-    if lab.is_image_folder_tree(data_dir):
+    if is_image_folder_tree(data_dir):
         train_files, test_files, cache = image_folder_files(data_dir)
         if not cache.is_file():
             write_decoded_cache(cache, decode_image_folders(train_files, test_files))
@@ -219,7 +232,7 @@ def prepare_data(data_dir):
 def load_data(data_dir):
     """The images of data_dir, in either layout (prepare_data has run on this node)."""
     check_data_dir(data_dir)
-    if lab.is_image_folder_tree(data_dir):
+    if is_image_folder_tree(data_dir):
         train_files, test_files, cache = image_folder_files(data_dir)
         return read_decoded_cache(cache) if cache.is_file() else decode_image_folders(train_files, test_files)
     train = datasets.CIFAR10(data_dir, train=True, download=False)
@@ -233,7 +246,7 @@ def load_data(data_dir):
 def split_indices(source_size, seed):
     """The seeded permutation of the train source: its first four fifths train, the last fifth validation."""
     permutation = torch.randperm(source_size, generator=torch.Generator().manual_seed(seed)).tolist()
-    train_size, _ = lab.split_sizes(source_size)
+    train_size, _ = split_sizes(source_size)
     return permutation[:train_size], permutation[train_size:]
 
 
@@ -263,9 +276,9 @@ def make_split(source, seed, rank, world_size):
     train_indices, validation_indices = split_indices(len(source.train_labels), seed)
     split = Split(train_indices, validation_indices, list(range(len(source.test_labels))), None)
     if min(split.sizes.values()) < world_size:
-        raise lab.LabError(
+        raise LabError(
             f"too few images for {world_size} ranks: {split.sizes} (the train source is split 4:1 into train and "
-            f"validation); provide at least {lab.VALIDATION_FRACTION * world_size} train and {world_size} test images"
+            f"validation); provide at least {VALIDATION_FRACTION * world_size} train and {world_size} test images"
         )
     split.train_sampler = DistributedSampler(
         range(len(train_indices)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False

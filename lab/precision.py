@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-import lab
+from lab.cli import LabError
 
 NUMERICS = ("bf16", "fp32")  # what a run records; `auto` resolves to one of them
 PRECISIONS = ("auto", *NUMERICS)
@@ -58,7 +58,7 @@ def cpu_bf16_override():
     if value is None:
         return None
     if value not in ("0", "1"):
-        raise lab.LabError(
+        raise LabError(
             f"{CPU_BF16_VARIABLE}={value!r}: expected 1 (decide as on a CPU with BF16 instructions) or 0 "
             f"(as on one without); unset it to use this CPU's own report"
         )

@@ -7,7 +7,7 @@ import math
 
 from PIL import Image, ImageDraw, ImageFont
 
-import lab
+from lab.experiment import COLLECTIVE_KINDS
 
 WHITE = (255, 255, 255)
 INK = (33, 33, 33)
@@ -272,7 +272,7 @@ def speedup_image(title, points, curve, ceiling, caption):
 
 
 COMPUTE_SHADES = ((176, 196, 222), (135, 160, 196))  # alternate micro-batches, so each one's edges show
-COLLECTIVE_COLOURS = dict(zip(lab.COLLECTIVE_KINDS, ((214, 39, 40), (148, 103, 189), (44, 160, 44))))
+COLLECTIVE_COLOURS = dict(zip(COLLECTIVE_KINDS, ((214, 39, 40), (148, 103, 189), (44, 160, 44))))
 
 
 def timeline_image(title, panels, caption):

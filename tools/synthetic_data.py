@@ -1,7 +1,7 @@
 """Small, learnable stand-ins for CIFAR-10 in both on-disk layouts train.py reads (no network needed).
 
-    python synthetic_data.py --out data/synthetic --train-source 2000 --test 500
-    python synthetic_data.py --out /tmp/cifar --layout torchvision
+    python tools/synthetic_data.py --out data/synthetic --train-source 2000 --test 500
+    python tools/synthetic_data.py --out /tmp/cifar --layout torchvision
 
 Each class has its own colour and stripe direction, under noise: a working pipeline learns it within a few
 optimizer steps and beats the majority baseline; a broken one (shuffled labels, lost gradients) does not.
@@ -10,13 +10,16 @@ cifar-10-batches-py/ in the pickle format of the official archive (data_batch_1.
 """
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from lab import TORCHVISION_FOLDER, ArgumentParser, LabError, exit_with, positive_int
-from model import CLASSES, IMAGE_SIZE
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.cli import ArgumentParser, LabError, exit_with, positive_int  # noqa: E402
+from lab.data import TORCHVISION_FOLDER  # noqa: E402
+from model import CLASSES, IMAGE_SIZE  # noqa: E402
 
 LAYOUTS = ("image-folders", "torchvision")
 TRAIN_BATCHES = 5

@@ -1,0 +1,17 @@
+"""The lab's machinery beneath the document's scripts (train.py, verify.py, infer.py, check_env.py), one module
+per concern; docs/architecture.md draws what flows between them.
+
+    cli          errors as one line that names the remedy, argparse with such lines, progress on stderr
+    experiment   the documented configuration, the window plan, the exact counts a configuration implies
+    precision    BF16 autocast or float32, chosen for the hardware
+    pictures     the pictures, drawn with Pillow
+    records      the run folder written all or nothing, the run's configuration, rows and results, read back
+    data         CIFAR-10's two layouts, the decode cache, the seeded split, the samplers and both loaders
+    audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
+    launch       where a process runs, and every rank's agreement on options, device, precision and data
+    witness      the profiler as the audit's second witness, and its check
+    tables       what verify.py prints and draws once every check has held
+
+A module imports only modules listed above it (and model.py, which imports nothing of the lab);
+tests/test_architecture.py checks it.
+"""

@@ -1,0 +1,236 @@
+"""The audit's instruments, beside DDP in every rank: the collective clock and the running counts, AuditedDDP
+(DDP's own collectives that no hook sees), the check of DDP's settings, the ranks' step fingerprints, the
+saved-activation count and the epoch's trace of where syncs and steps happened. The counting hook itself is in
+train.py, where the lesson is.
+"""
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lab.cli import LabError
+from lab.experiment import BUCKET_CAP_MB, COUNTS, REBUILD_BROADCASTS
+
+def read_clock(device):
+    """The wall clock once the device has finished the work queued so far (on GPU the host runs ahead)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class CollectiveClock:
+    """Seconds from collectives' start to their completion on the device, summed.
+
+    On CPU, gloo has finished a collective when its future's callback runs: wall time. On GPU the host only
+    queues NCCL's work: CUDA events on the stream, read after a synchronize at the epoch's end. Callbacks of
+    several buckets can run at once on gloo's threads, so the sum is taken under a lock.
+    """
+
+    def __init__(self, device_type="cpu"):
+        self.on_cuda = device_type == "cuda"
+        self.lock = threading.Lock()
+        self.seconds = 0.0
+        self.event_pairs = []  # on GPU: (start, end) events not yet read
+
+    def start(self):
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started):
+        if self.on_cuda:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()  # in a future's callback, on the stream that ran the collective
+            with self.lock:
+                self.event_pairs.append((started, ended))
+            return
+        elapsed = time.perf_counter() - started
+        with self.lock:
+            self.seconds += elapsed
+
+    def total(self):
+        with self.lock:
+            if self.event_pairs:
+                torch.cuda.synchronize()
+                self.seconds += sum(start.elapsed_time(end) for start, end in self.event_pairs) / 1000
+                self.event_pairs.clear()
+            return self.seconds
+
+
+@dataclass
+class CommAudit:
+    """Per-rank running totals of what crosses between the ranks during training and evaluation."""
+
+    world_size: int
+    group: object = None  # the training collectives' process group (None: the default group)
+    clock: CollectiveClock = field(default_factory=CollectiveClock)
+    sync_bucket_calls: int = 0
+    gradient_syncs: int = 0
+    allreduce_bytes: int = 0
+    buffer_broadcast_collectives: int = 0
+    broadcast_bytes: int = 0
+    rebuild_broadcast_collectives: int = 0
+
+    def totals(self):
+        totals = {name: getattr(self, name) for name in COUNTS}
+        totals["comm_seconds"] = self.clock.total()
+        return totals
+
+
+def fingerprint(tensors):
+    """The float64 sum and sum of squares of tensors: bit for bit the same on ranks that hold the same values."""
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).double()
+    return torch.stack([flat.sum(), flat.square().sum()])
+
+
+def ranks_agree(gradients_fingerprint, parameters, group):
+    """One small all-reduce: did every rank step on the same gradients and end with the same parameters?
+
+    The maxima of the fingerprints and of their negatives give each value's maximum and minimum over the
+    ranks; they are equal where every rank holds the same. Returns a device tensor [gradients agreed,
+    parameters agreed], read once per epoch.
+    """
+    mine = torch.cat([gradients_fingerprint, fingerprint(parameters)])
+    extremes = torch.cat([mine, -mine])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    agreed = extremes[: mine.numel()] == -extremes[mine.numel() :]
+    return torch.stack([agreed[:2].all(), agreed[2:].all()])
+
+
+def settle_comm_hooks():
+    """Wait until gloo's threads are done with the hook's Python callbacks, before the groups are torn down.
+
+    A gloo thread needs the GIL to drop a finished callback, and a main thread that destroys a
+    ProcessGroupGloo holds the GIL while it joins those threads: torn down right after a hooked all-reduce,
+    a process can hang at exit (seen here about one run in three). The barrier waits for every earlier
+    collective; the sleep releases the GIL so that the threads finish with their callbacks.
+    """
+    dist.barrier()
+    time.sleep(0.1)
+
+
+class AuditedDDP(DDP):
+    """DDP that also counts DDP's own collectives, which no comm hook sees: the BatchNorm buffer broadcasts
+    (broadcast_buffers=True), counted and timed, and the one-time broadcast of its rebuilt bucket order."""
+
+    def _pre_forward(self, *inputs, **kwargs):
+        rebuilt_before = self._has_rebuilt_buckets
+        result = super()._pre_forward(*inputs, **kwargs)
+        if self._has_rebuilt_buckets and not rebuilt_before:
+            self.comm_audit.rebuild_broadcast_collectives += REBUILD_BROADCASTS
+        return result
+
+    def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):
+        audit = self.comm_audit
+        started = audit.clock.start()
+        super()._distributed_broadcast_coalesced(tensors, buffer_size, authoritative_rank)
+        audit.clock.stop(started)  # on GPU: the current stream waits for the broadcast
+        # One collective per dtype: _broadcast_coalesced flattens same-dtype tensors into one bucket
+        # (tests/test_comm_audit.py checks this against the profiler's c10d::broadcast_ events).
+        audit.buffer_broadcast_collectives += len({tensor.dtype for tensor in tensors})
+        audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+# What experiment.expected_epoch_counts assumes of DDP: buffer broadcasts before synchronized forwards, every
+# parameter used (no search for unused ones), one bucket rebuild after the first synchronized backward (no
+# static graph), one 25 MB bucket for the 2.2 MB of gradients, the gradients all-reduced by the counting hook
+# alone and the buffers broadcast by DDP itself (no buffer hook).
+COUNTING_HOOK = "counting_allreduce_hook"  # train.py's
+DDP_SETTINGS = {
+    "broadcast_buffers": True,
+    "find_unused_parameters": False,
+    "static_graph": False,
+    "bucket_bytes_cap": BUCKET_CAP_MB * 1024 * 1024,
+}
+
+
+def check_ddp_settings(ddp_model):
+    """The wrapped model has DDP_SETTINGS, train.py's counting hook as its only gradient hook, no buffer hook."""
+    expected = {**DDP_SETTINGS, "gradient comm hooks": [COUNTING_HOOK], "buffer comm hook": False}
+    actual = {name: getattr(ddp_model, name) for name in DDP_SETTINGS}
+    actual["gradient comm hooks"] = [hook.__name__ for hook, _ in ddp_model._comm_hooks]
+    actual["buffer comm hook"] = hasattr(ddp_model, "buffer_hook")
+    changed = [f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value]
+    if changed:
+        raise LabError(
+            f"DDP is wrapped with settings the audit's expected counts do not assume: {'; '.join(changed)}; "
+            f"restore them in train.wrap_model, or change experiment.expected_epoch_counts with them"
+        )
+
+
+@contextmanager
+def saved_activations(model):
+    """Count the bytes that a forward run inside this context leaves held for its backward; yields a dict
+    {storage address: bytes} to sum afterwards.
+
+    Autograd packs every tensor it saves for the backward through saved_tensors_hooks: each distinct storage is
+    counted once, the model's parameters aside (they are held anyway). Inside a checkpointed stage the
+    checkpoint's own hooks save nothing; the checkpoint holds the stage's input instead, seen here by a
+    forward pre-hook on the stage's first layer. Independent of the allocator: the same on every device.
+    """
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    held = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            held[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    entries = [stage[0] for stage in model.stages()] if model.activation_checkpointing else []
+    handles = [entry.register_forward_pre_hook(lambda module, inputs: pack(inputs[0])) for entry in entries]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield held
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class EpochTrace:
+    """Where one rank's epoch synchronized and stepped, and whether the ranks agreed at each step."""
+
+    saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
+    sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
+    step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
+    agreement: list = field(default_factory=list)  # per step, on the device: [gradients agreed, parameters agreed]
+
+    def rank_agreement(self):
+        """Steps at which the ranks agreed, and the first at which they did not (one host read)."""
+        verdicts = torch.stack(self.agreement).tolist() if self.agreement else []
+        first = next((step for step, verdict in enumerate(verdicts, start=1) if not all(verdict)), None)
+        if first is None:
+            return len(verdicts), None
+        gradients_agreed, parameters_agreed = verdicts[first - 1]
+        what = [name for name, agreed in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not agreed]
+        return sum(map(all, verdicts)), {"optimizer_step": first, "differed": what}
+
+
+# DDP's errors when a parameter's gradient comes twice in one backward, or never: what reentrant activation
+# checkpointing does (README "Activation checkpointing"). DDP's own advice for the second,
+# find_unused_parameters=True, would hide it: the stages would train no more, silently.
+DDP_GRADIENT_ERRORS = {
+    "Expected to mark a variable ready only once": "DDP saw a parameter's gradient twice in one backward",
+    "Expected to have finished reduction in the prior iteration": "DDP found parameters that got no gradient in the last backward",
+}
+
+
+def explain_ddp_error(error):
+    """A LabError of one line for DDP's gradient errors (None for any other error)."""
+    for marker, what in DDP_GRADIENT_ERRORS.items():
+        if marker in str(error):
+            return LabError(
+                f"{what} (\"{marker}\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., "
+                f"use_reentrant=False), as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing "
+                f"gives no gradient to a stage whose input needs none and, with find_unused_parameters=True, marks "
+                f"its parameters ready twice",
+                kind="RuntimeError",
+            )
+    return None

@@ -1,0 +1,88 @@
+"""Errors and command-line helpers shared by the scripts: one line that names the input and the remedy, no
+traceback; argparse with such lines; progress on stderr.
+"""
+import argparse
+import os
+import sys
+import time
+
+
+class LabError(Exception):
+    """A mistake in the input or the environment: reported as one line that names the remedy, no traceback.
+
+    kind, when given, is the exception name the document's troubleshooting uses for this case
+    ("ValueError: expected world_size=2, got 1"), kept so that the message can be searched for.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message, kind=None):
+        super().__init__(message)
+        self.kind = kind
+
+    def line(self, script):
+        return f"{self.kind}: {self}" if self.kind else f"{script}: error: {self}"
+
+
+def exit_with(error, script, show=True):
+    if show:
+        print(error.line(script), file=sys.stderr, flush=True)
+    sys.exit(error.exit_code)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where to look, without the usage block."""
+
+    def usage_error(self, message):
+        return LabError(f"{message} (see: python {self.prog} --help)")
+
+    def error(self, message):
+        # A script under torchrun (the benchmarks) parses the same options in every process: one line per node.
+        exit_with(self.usage_error(message), self.prog, show=os.environ.get("LOCAL_RANK", "0") == "0")
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
+class Progress:
+    """Rank 0's progress on stderr, one line at most every `interval` seconds; stdout keeps the JSON lines."""
+
+    def __init__(self, enabled, interval):
+        self.enabled = enabled
+        self.interval = interval
+        self.prefix = ""
+
+    def start(self, label, total, unit):
+        self.label, self.total, self.unit = f"{self.prefix}{label}", total, unit
+        self.started = self.last_line = time.perf_counter()
+
+    def update(self, done, images):
+        now = time.perf_counter()
+        if not self.enabled or now - self.last_line < self.interval:
+            return
+        self.last_line = now
+        elapsed = now - self.started
+        left = elapsed / done * (self.total - done)
+        print(
+            f"{self.label}: {done}/{self.total} {self.unit}, {images / elapsed:.0f} img/s per rank, "
+            f"about {left:.0f} s left",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -1,0 +1,197 @@
+"""The fixed experiment and what it implies: the documented configuration, the accumulation window plan that
+train.py executes and verify.py counts, and the arithmetic from a configuration to the exact communication of
+each epoch. Each fact lives here once; train.py's defaults and verify.py's strict audit both come from here.
+"""
+import math
+from dataclasses import dataclass
+
+from lab.cli import LabError
+
+MODES = ("every", "no_sync")
+PARTIAL_WINDOW_POLICIES = ("error", "scale")
+
+# The experiment of the document.
+DOCUMENTED = {
+    "world_size": 2,
+    "batch_size": 50,
+    "accum_steps": 4,
+    "epochs": 5,
+    "seed": 47,
+    "partial_window": "error",
+    "train_size": 40_000,
+    "validation_size": 10_000,
+    "test_size": 10_000,
+}
+VALIDATION_FRACTION = 5  # the last fifth of the seeded permutation of the train source is validation
+BUCKET_CAP_MB = 25  # explicit: DDP's default would cap the first bucket at 1 MiB and split the gradients in two
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for buffers
+# Once, after its first synchronized backward, DDP rebuilds its buckets and broadcasts rank 0's bucket order:
+# the bucket indices and the bucket sizes, two collectives (tests/test_comm_audit.py checks them against the
+# profiler's c10d::broadcast_ events).
+REBUILD_BROADCASTS = 2
+# The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's own
+# all-reduce of the ranks' fingerprints after each step, and DDP's broadcasts.
+COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "broadcast")
+# What the audit counts per rank and epoch (train.py's history rows; expected_epoch_counts gives each exactly).
+COUNTS = (
+    "sync_bucket_calls",
+    "gradient_syncs",
+    "allreduce_bytes",
+    "buffer_broadcast_collectives",
+    "broadcast_bytes",
+    "rebuild_broadcast_collectives",
+)
+
+
+# ----------------------------------------------------------------------------- the accumulation window
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """What one micro-batch does: all-reduce in its backward (in no_sync mode), divide its loss, step after it."""
+
+    sync: bool
+    loss_divisor: int
+    step: bool
+
+
+def window_plan(num_micro_batches, accum_steps, partial_window):
+    """The micro-batches of one epoch grouped into windows of accum_steps; the last one of each window syncs.
+
+    With partial_window="error" a remainder stops the run (divided by accum_steps, a short last window would
+    shrink its update); with "scale" the short window's losses are divided by its real length, so every
+    update is the mean over its own micro-batches.
+    """
+    remainder = num_micro_batches % accum_steps
+    if remainder and partial_window == "error":
+        raise LabError(
+            f"{num_micro_batches} micro-batch-uri nu se împart exact la accum_steps={accum_steps} "
+            f"(a last window of {remainder} divided by {accum_steps} would shrink that update's gradient); "
+            f"choose --accum-steps that divides {num_micro_batches}, or pass --partial-window scale",
+            kind="RuntimeError",
+        )
+    plan = []
+    for window_start in range(0, num_micro_batches, accum_steps):
+        window_size = min(accum_steps, num_micro_batches - window_start)
+        for position in range(window_size):
+            closes_window = position == window_size - 1
+            plan.append(MicroStep(sync=closes_window, loss_divisor=window_size, step=closes_window))
+    return plan
+
+
+def planned_positions(plan, mode):
+    """Where the plan puts the gradient syncs and the optimizer steps: micro-batch indices in the epoch."""
+    return {
+        "gradient_syncs": [index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync],
+        "optimizer_steps": [index for index, micro_step in enumerate(plan) if micro_step.step],
+    }
+
+
+def as_progressions(positions):
+    """Sorted indices as arithmetic runs [start, stop, step] (stop exclusive, as in range()), each as long as
+    it goes: every's 400 syncs of an epoch are [[0, 400, 1]], no_sync's 100 are [[3, 400, 4]]."""
+    runs, index = [], 0
+    while index < len(positions):
+        start = positions[index]
+        if index + 1 == len(positions):
+            runs.append([start, start + 1, 1])
+            break
+        step, last = positions[index + 1] - start, index + 1
+        while last + 1 < len(positions) and positions[last + 1] - positions[last] == step:
+            last += 1
+        runs.append([start, positions[last] + 1, step])
+        index = last + 1
+    return runs
+
+
+def from_progressions(runs):
+    return [position for start, stop, step in runs for position in range(start, stop, step)]
+
+
+def micro_batches_per_rank(train_size, world_size, batch_size):
+    """DistributedSampler(drop_last=False) pads the split to a multiple of world_size; the loader keeps a last
+    short batch."""
+    return math.ceil(math.ceil(train_size / world_size) / batch_size)
+
+
+def split_sizes(source_size):
+    """(train, validation) sizes of a train source: the last fifth of the permutation is validation."""
+    validation_size = source_size // VALIDATION_FRACTION
+    return source_size - validation_size, validation_size
+
+
+# ----------------------------------------------------------------------------- expected communication
+
+
+@dataclass(frozen=True)
+class CommSizes:
+    """What one synchronization moves, read off the model: its gradients and its buffers."""
+
+    gradient_bytes: int
+    gradient_buckets: int
+    buffer_bytes: int
+    buffer_dtype_groups: int
+
+
+def comm_sizes(model):
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = list(model.buffers())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    if buffer_bytes > BROADCAST_BUCKET_BYTES:
+        raise ValueError("the buffers exceed one broadcast bucket; buffer_dtype_groups would undercount")
+    return CommSizes(
+        gradient_bytes=gradient_bytes,
+        gradient_buckets=math.ceil(gradient_bytes / (BUCKET_CAP_MB * 1024 * 1024)),
+        buffer_bytes=buffer_bytes,
+        # DDP's _broadcast_coalesced flattens the buffers into one tensor per dtype (float32 running stats,
+        # int64 num_batches_tracked): one broadcast collective each.
+        buffer_dtype_groups=len({b.dtype for b in buffers}),
+    )
+
+
+def buffer_syncs_in_epoch(plan, mode, first_epoch):
+    """How often DDP (broadcast_buffers=True) broadcasts the BatchNorm buffers in one epoch.
+
+    DDP broadcasts before a forward when the forward before it was a synchronized training forward (and
+    before the very first forward). Under no_sync only the forward after a window's last micro-batch
+    qualifies; an evaluation forward (no grad) never does, so each epoch after the first starts without one,
+    and its validation pass adds one (its first forward follows the last, synchronized training forward).
+    """
+    previous_synchronized = first_epoch
+    count = 0
+    for micro_step in plan:
+        count += previous_synchronized
+        previous_synchronized = mode == "every" or micro_step.sync
+    return count + previous_synchronized
+
+
+def bucket_rebuild_epoch(plan, mode):
+    """The epoch of DDP's bucket rebuild: at the first training forward after the first synchronized one,
+    which falls in epoch 2 when epoch 1 has no training forward after its first sync."""
+    first_synchronized = next(index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync)
+    return 1 if first_synchronized + 1 < len(plan) else 2
+
+
+def epoch_plan(config):
+    """The window plan every epoch of a run with this configuration executes."""
+    return window_plan(
+        micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"]),
+        config["accum_steps"],
+        config["partial_window"],
+    )
+
+
+def expected_epoch_counts(config, mode, epoch, sizes):
+    """The exact per-rank counts of one epoch (1-based) of a run with this configuration."""
+    plan = epoch_plan(config)
+    gradient_syncs = len(plan) if mode == "every" else sum(m.sync for m in plan)
+    buffer_syncs = buffer_syncs_in_epoch(plan, mode, first_epoch=epoch == 1)
+    return {
+        "optimizer_steps": sum(m.step for m in plan),
+        "gradient_syncs": gradient_syncs,
+        "sync_bucket_calls": gradient_syncs * sizes.gradient_buckets,
+        "allreduce_bytes": gradient_syncs * sizes.gradient_bytes,
+        "buffer_broadcast_collectives": buffer_syncs * sizes.buffer_dtype_groups,
+        "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
+        "rebuild_broadcast_collectives": REBUILD_BROADCASTS if epoch == bucket_rebuild_epoch(plan, mode) else 0,
+    }

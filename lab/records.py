@@ -1,0 +1,334 @@
+"""The records of a run: the artifact names, the run folder written all or nothing (atomic writes, checksums,
+run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py.
+"""
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from PIL import Image, PngImagePlugin
+
+from lab import pictures
+from lab.cli import LabError
+from lab.experiment import BUCKET_CAP_MB, COUNTS, as_progressions
+from model import CLASSES
+
+# Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
+MODEL_FILE = "model.pt"
+HISTORY_FILE = "history.json"
+REPORT_FILE = "report.json"
+SAMPLE_FILE = "sample_test.png"
+CONFUSION_FILE = "confusion_matrix.png"
+RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and the checksum of every other file
+RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
+# Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
+PROFILE_FILE = "profile.json"
+PROFILE_TRACE_FILE = "profile_trace.json"
+
+
+def new_run_id():
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + os.urandom(3).hex()
+
+
+def utc_now():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomic(path, data):
+    """Write bytes to path so that a reader sees the old file or the whole new one, never a part."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk or an interrupt leaves nothing half-written behind
+        raise
+
+
+def json_bytes(value):
+    return (json.dumps(value, indent=2) + "\n").encode("utf-8")
+
+
+def png_bytes(image, text):
+    """PNG bytes with text chunks (run_id, plotted data) that verify.py and the tests read back."""
+    info = PngImagePlugin.PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+def png_text(path):
+    with Image.open(path) as image:
+        image.load()
+        return dict(image.text)
+
+
+def torch_bytes(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def unfinished_runs(output):
+    """Hidden folders of runs into `output` that started and never finished (killed, crashed)."""
+    output = Path(output)
+    return sorted(output.parent.glob(f".{output.name}.partial-*"))
+
+
+def replaced_runs(output):
+    """Hidden folders of runs that a newer run replaced, left when publishing was interrupted."""
+    output = Path(output)
+    return sorted(output.parent.glob(f".{output.name}.replaced-*"))
+
+
+def is_replaceable_output(output):
+    """A folder train.py may replace: absent, empty, or holding nothing but lab artifacts."""
+    output = Path(output)
+    if not output.exists():
+        return True
+    if not output.is_dir():
+        return False
+    allowed = set(RUN_FILES) | {RUN_RECORD_FILE, PROFILE_FILE, PROFILE_TRACE_FILE}
+    return all(entry.name in allowed for entry in output.iterdir())
+
+
+class RunFolder:
+    """The artifacts of one run, written into a hidden sibling folder and moved into place when complete.
+
+    While a run is going, `.every.partial-<run id>/` beside `every/` holds what it has written so far (its
+    history after each epoch). Publishing writes run.json last, with the size and SHA-256 of every file, and
+    renames the folder into place: a reader finds the previous complete run or the new complete run, never a
+    mix. A killed run leaves only its partial folder, which the next run into the same output removes.
+
+    Replacing a run takes two renames (the old folder aside as `.every.replaced-<new run id>`, the new one into
+    place) and a removal. A crash between them leaves both hidden folders and no `every/`; a crash during the
+    removal leaves part of the replaced folder. verify.py names each such leftover, and the next run into the
+    same output removes them before it starts.
+    """
+
+    def __init__(self, output, run_id):
+        self.output = Path(output)
+        self.run_id = run_id
+        self.partial = self.output.parent / f".{self.output.name}.partial-{run_id}"
+
+    def begin(self):
+        for stale in unfinished_runs(self.output) + replaced_runs(self.output):
+            shutil.rmtree(stale)
+        self.partial.mkdir(parents=True)
+
+    def write(self, name, data):
+        write_atomic(self.partial / name, data)
+
+    def publish(self, record):
+        files = {
+            path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            for path in sorted(self.partial.iterdir())
+        }
+        self.write(RUN_RECORD_FILE, json_bytes({**record, "files": files}))
+        replaced = None
+        if self.output.exists():
+            replaced = self.output.parent / f".{self.output.name}.replaced-{self.run_id}"
+            os.rename(self.output, replaced)
+        os.rename(self.partial, self.output)
+        if replaced is not None:
+            shutil.rmtree(replaced)
+
+
+# ----------------------------------------------------------------------------- the run's configuration, rows and results
+
+
+def run_config(args, place, setup):
+    """Everything that must match between the two runs for their comparison to mean anything (the hardware
+    is recorded beside it: verify.py prints it and does not compare it)."""
+    sizes = setup.split.sizes
+    return {
+        "world_size": place.world_size,
+        "nodes": place.nodes,
+        "batch_size": args.batch_size,
+        "accum_steps": args.accum_steps,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "partial_window": args.partial_window,
+        "train_size": sizes["train"],
+        "validation_size": sizes["validation"],
+        "test_size": sizes["test"],
+        "data_layout": setup.source.layout,
+        "loader": args.loader,
+        "data_fingerprint": setup.source.fingerprint,
+        "activation_checkpointing": args.activation_checkpointing,
+        "device": setup.device.type,
+        "backend": setup.backend,
+        "precision": setup.precision.name,
+        "hardware": setup.hardware,
+        "bucket_cap_mb": BUCKET_CAP_MB,
+        "broadcast_buffers": True,
+        "torch": torch.__version__,
+    }
+
+
+def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase_seconds, peak_bytes, run_id, device, group):
+    """The epoch's JSON line: the document's fields first, then the rest of the audit.
+
+    Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
+    rank's (every rank takes part in every collective, so they are the same on all).
+    """
+    comm_seconds = after["comm_seconds"] - before["comm_seconds"]
+    seconds = torch.tensor([*phase_seconds, comm_seconds], dtype=torch.float64, device=device)
+    summed = torch.cat([train_totals, seconds])
+    dist.all_reduce(summed, group=group)
+    loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, comm_seconds_sum = summed.tolist()
+    world_size = dist.get_world_size()
+    validation_loss, validation_accuracy = validation
+    agreed_steps, first_disagreement = trace.rank_agreement()
+    return {
+        "epoch": epoch,
+        "mode": mode,
+        "optimizer_steps": len(trace.step_positions),
+        "gradient_syncs": after["gradient_syncs"] - before["gradient_syncs"],
+        "train_loss": loss_sum / count,
+        "train_accuracy": correct / count,
+        "validation_loss": validation_loss,
+        "validation_accuracy": validation_accuracy,
+        **{key: after[key] - before[key] for key in COUNTS if key != "gradient_syncs"},
+        "comm_seconds": comm_seconds_sum / world_size,
+        "epoch_seconds": epoch_seconds_sum / world_size,
+        "train_images_per_second": count / (epoch_seconds_sum / world_size),
+        "validation_seconds": validation_seconds_sum / world_size,
+        # Where, not only how many (rank 0's): micro-batch indices as [start, stop, step] runs.
+        "gradient_sync_positions": as_progressions(trace.sync_positions),
+        "optimizer_step_positions": as_progressions(trace.step_positions),
+        "steps_with_ranks_agreed": agreed_steps,
+        "first_rank_disagreement": first_disagreement,
+        # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
+        "saved_activation_bytes": trace.saved_activation_bytes,
+        "peak_allocated_bytes": peak_bytes,
+        "run_id": run_id,
+    }
+
+
+def write_results(folder, args, config, confusion, majority, model, test_image, test_metrics, run_id, started_at):
+    """Rank 0: report, checkpoint, pictures, then publish the run folder. Returns the report."""
+    matrix = confusion.tolist()
+    test_size = config["test_size"]
+    report = {
+        "mode": args.mode,
+        "baseline_class": CLASSES[majority],
+        "baseline_accuracy": sum(matrix[majority]) / test_size,
+        "model_test_loss": test_metrics[0],
+        "model_test_accuracy": test_metrics[1],
+        "confusion_matrix": matrix,
+        "top_confusions": top_confusions(matrix),
+        "run_id": run_id,
+        "config": config,
+    }
+    checkpoint = {
+        "model": model.state_dict(),
+        "classes": CLASSES,
+        "seed": args.seed,
+        "run_id": run_id,
+        "mode": args.mode,
+        "precision": config["precision"],
+    }
+    folder.write(MODEL_FILE, torch_bytes(checkpoint))
+    folder.write(REPORT_FILE, json_bytes(report))
+    folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
+    image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
+    folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
+    folder.publish(
+        {
+            "run_id": run_id,
+            "mode": args.mode,
+            "config": config,
+            "data_dir": str(args.data_dir),
+            "started_at": started_at,
+            "finished_at": utc_now(),
+        }
+    )
+    return report
+
+
+def top_confusions(matrix, limit=5):
+    """The most frequent off-diagonal (true, predicted, count) pairs: count descending, then class order."""
+    pairs = [
+        (count, true, predicted)
+        for true, row in enumerate(matrix)
+        for predicted, count in enumerate(row)
+        if true != predicted and count > 0
+    ]
+    pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
+    return [{"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count} for count, true, predicted in pairs[:limit]]
+
+
+# ----------------------------------------------------------------------------- reading the records back (verify.py)
+
+
+class AuditError(LabError):
+    """An artifact that does not hold what it must (exit 1; a usage mistake exits 2)."""
+
+    exit_code = 1
+
+    def __init__(self, message, kind="RuntimeError"):
+        super().__init__(message, kind)
+
+
+def require_file(path):
+    if not path.is_file():
+        raise AuditError(f"Lipsește artefactul obligatoriu: {path}", kind="FileNotFoundError")
+    if path.stat().st_size == 0:
+        raise AuditError(f"Artefact absent sau gol: {path} (it is empty; rerun train.py)")
+
+
+def read_json(path):
+    require_file(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise AuditError(f"{path}: not valid JSON ({error}); the file is damaged or truncated: rerun train.py") from None
+
+
+def is_int(value):
+    return type(value) is int
+
+
+def is_number(value):
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check(condition, path, message):
+    if not condition:
+        raise AuditError(f"{path}: {message}")
+
+
+def describe_unfinished(folder):
+    """Say what an interrupted run left beside `folder`, if anything (RunFolder explains the names)."""
+    notes = []
+    for partial in unfinished_runs(folder):
+        run_id = partial.name.rsplit(".partial-", 1)[-1]
+        if (partial / RUN_RECORD_FILE).is_file():
+            notes.append(f"run {run_id} finished but was interrupted while being moved into place; it lies complete in {partial}")
+        else:
+            notes.append(f"an unfinished run {run_id} was left in {partial} (interrupted before it finished)")
+    for replaced in replaced_runs(folder):
+        run_id = replaced.name.rsplit(".replaced-", 1)[-1]
+        notes.append(f"the run that run {run_id} replaced was left in {replaced} (interrupted while being removed)")
+    return notes

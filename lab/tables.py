@@ -1,0 +1,174 @@
+"""What verify.py prints and draws once every check has held: the document's table, the communication and
+memory tables, the profiler's witness beside the audit, and the pictures (curves, communication, timeline)
+next to the run folders.
+"""
+import json
+
+from lab import pictures
+from lab.records import png_bytes, write_atomic
+
+# Pictures verify.py draws from both runs, next to the run folders.
+CURVES_FILE = "curves.png"
+COMMUNICATION_FILE = "communication.png"
+TIMELINE_FILE = "timeline.png"
+
+
+def per_epoch(history, key):
+    """The value if every epoch has the same one, else the values joined by '/'."""
+    values = [row[key] for row in history]
+    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+
+
+def total(history, key):
+    return sum(row[key] for row in history)
+
+
+def ratio(numerator, denominator):
+    return f"{numerator / denominator:.2f}x" if denominator else "n/a"
+
+
+def print_tables(runs, config):
+    every_history, every_report, _ = runs["every"]
+    no_sync_history, no_sync_report, _ = runs["no_sync"]
+    print("| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |")
+    print("|---|---:|---:|---:|")
+    for mode, (history, report, _) in runs.items():
+        print(
+            f"| {mode} | {per_epoch(history, 'optimizer_steps')} | {per_epoch(history, 'gradient_syncs')} | "
+            f"{report['model_test_accuracy']:.4f} |"
+        )
+    print()
+    epochs = len(every_history)
+    print(f"Communication per rank, totals over {epochs} epochs (comm and epoch seconds: means over ranks):")
+    print(
+        "| mode | gradient syncs | hook calls | all-reduce MB | buffer-broadcast collectives | broadcast KB "
+        "| bucket-rebuild collectives | comm s | epoch s | images/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, (history, _, _) in runs.items():
+        print(
+            f"| {mode} | {total(history, 'gradient_syncs')} | {total(history, 'sync_bucket_calls')} | "
+            f"{total(history, 'allreduce_bytes') / 1e6:.1f} | {total(history, 'buffer_broadcast_collectives')} | "
+            f"{total(history, 'broadcast_bytes') / 1e3:.1f} | {total(history, 'rebuild_broadcast_collectives')} | "
+            f"{total(history, 'comm_seconds'):.2f} | "
+            f"{total(history, 'epoch_seconds'):.1f} | "
+            f"{sum(r['train_images_per_second'] for r in history) / epochs:.0f} |"
+        )
+    print(
+        "| every / no_sync | "
+        + " | ".join(
+            ratio(total(every_history, key), total(no_sync_history, key))
+            for key in (
+                "gradient_syncs",
+                "sync_bucket_calls",
+                "allreduce_bytes",
+                "buffer_broadcast_collectives",
+                "broadcast_bytes",
+                "rebuild_broadcast_collectives",
+                "comm_seconds",
+                "epoch_seconds",
+            )
+        )
+        + " | |"
+    )
+    print()
+    checkpointing = "on" if config.get("activation_checkpointing") else "off"
+    print("Memory per micro-batch (rank 0; activations held from the forward for the backward, saved_tensors_hooks):")
+    print("| mode | activation checkpointing | saved activations MB | peak allocated MB (CUDA, per epoch) |")
+    print("|---|---|---:|---:|")
+    for mode, (history, _, _) in runs.items():
+        peaks = [row["peak_allocated_bytes"] for row in history]
+        peak = "/".join(f"{value / 1e6:.1f}" for value in peaks) if peaks[0] is not None else "n/a (CPU)"
+        print(f"| {mode} | {checkpointing} | {history[0]['saved_activation_bytes'] / 1e6:.2f} | {peak} |")
+    print()
+    print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
+    print("top confusions:", no_sync_report["top_confusions"])
+
+
+def print_witness(runs):
+    profiled = {mode: profile for mode, (_, _, profile) in runs.items() if profile}
+    if not profiled:
+        return
+    print()
+    print("The profiler as witness, epoch 1's recorded micro-batches, per rank (seconds: the profiler's executions")
+    print("of the gradient all-reduces and broadcasts, the audit's comm_seconds for the same micro-batches):")
+    print(
+        "| mode | micro-batches | rank | c10d::allreduce_ (profiler) | hook calls + steps (audit) | c10d::broadcast_ "
+        "(profiler) | broadcast collectives (audit) | collective s (profiler) | comm s (audit) | compute s per micro-batch |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, profile in profiled.items():
+        first, stop = profile["micro_batches"]
+        steps = profile["windows"]
+        for summary in profile["ranks"]:
+            audit, calls, seconds = summary["audit"], summary["calls"], summary["collective_seconds"]
+            print(
+                f"| {mode} | {first}-{stop - 1} | {summary['rank']} | {calls['c10d::allreduce_']} | "
+                f"{audit['sync_bucket_calls']} + {steps} | {calls['c10d::broadcast_']} | "
+                f"{audit['buffer_broadcast_collectives'] + audit['rebuild_broadcast_collectives']} | "
+                f"{seconds['gradient all-reduce'] + seconds['broadcast']:.4f} | {audit['comm_seconds']:.4f} | "
+                f"{summary['compute_seconds_per_micro_batch']:.4f} |"
+            )
+
+
+def first_window(profile, accum_steps):
+    """The first recorded window of each rank: its micro-batches and the collectives that start in it."""
+    first = profile["micro_batches"][0]
+    lanes = []
+    for summary in profile["ranks"]:
+        spans = [span for span in summary["micro_batches"] if first <= span[0] < first + accum_steps]
+        window_end = max(stop for _, _, stop in spans)
+        collectives = [collective for collective in summary["collectives"] if collective[1] <= window_end]
+        lanes.append({"label": f"rank {summary['rank']}", "micro_batches": spans, "collectives": collectives})
+    return lanes
+
+
+def draw_timeline(artifacts, runs, records, text):
+    path = artifacts / TIMELINE_FILE
+    unprofiled = [mode for mode, (_, _, profile) in runs.items() if profile is None]
+    if unprofiled:
+        if len(unprofiled) < len(runs):
+            print(f"note: {TIMELINE_FILE} needs both runs profiled (train.py --profile-windows K); {', '.join(unprofiled)} was not")
+        path.unlink(missing_ok=True)  # a timeline of earlier runs would not show these
+        return None
+    accum_steps = records["every"]["config"]["accum_steps"]
+    panels = []
+    for mode, (_, _, profile) in runs.items():
+        first = profile["micro_batches"][0]
+        title = f"{mode}: window {first // accum_steps + 1} of epoch 1 (micro-batches {first}-{first + accum_steps - 1})"
+        panels.append({"title": title, "lanes": first_window(profile, accum_steps)})
+    caption = (
+        f"The PyTorch profiler's record (train.py --profile-windows): one accumulation window of {accum_steps} "
+        f"micro-batches per mode; collectives as executed ({records['every']['config']['backend']})."
+    )
+    image, data = pictures.timeline_image("One accumulation window: every vs no_sync", panels, caption)
+    write_atomic(path, png_bytes(image, {**text, "data": json.dumps(data)}))
+    return path
+
+
+def draw_pictures(artifacts, runs, records):
+    text = {"run_ids": json.dumps({mode: record["run_id"] for mode, record in records.items()})}
+    curves = []
+    for metric, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
+        series = [
+            {"label": f"{mode} {split}", "mode": mode, "dashed": split == "validation", "values": [row[f"{split}_{metric}"] for row in history]}
+            for mode, (history, _, _) in runs.items()
+            for split in ("train", "validation")
+        ]
+        curves.append({"title": f"{metric} per epoch", "y_label": label, "series": series})
+    image, data = pictures.line_panels("Training curves: every vs no_sync (validation dashed)", curves)
+    write_atomic(artifacts / CURVES_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
+
+    panels = [
+        ("gradient_syncs", "gradient syncs per epoch", "syncs", 1),
+        ("allreduce_bytes", "all-reduced gradients per epoch", "MB per rank", 1e6),
+        ("buffer_broadcast_collectives", "buffer-broadcast collectives per epoch", "collectives", 1),
+        ("comm_seconds", "time in collectives per epoch", "seconds (mean over ranks)", 1),
+    ]
+    bars = [
+        {"title": title, "y_label": unit, "bars": {mode: [row[key] / scale for row in history] for mode, (history, _, _) in runs.items()}}
+        for key, title, unit, scale in panels
+    ]
+    image, data = pictures.bar_panels("Communication: every vs no_sync", bars)
+    write_atomic(artifacts / COMMUNICATION_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
+    return draw_timeline(artifacts, runs, records, text)

@@ -1,0 +1,231 @@
+"""The profiler as the audit's second witness (train.py --profile-windows K): the PyTorch profiler over K
+windows of epoch 1, every rank's summary of the c10d calls and their executions beside the audit's own counts
+for the same micro-batches, and verify.py's check that the two witnesses agree.
+"""
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from lab.audit import read_clock, settle_comm_hooks
+from lab.cli import LabError
+from lab.experiment import COLLECTIVE_KINDS, COUNTS, from_progressions
+from lab.records import PROFILE_FILE, PROFILE_TRACE_FILE, RUN_RECORD_FILE, check, is_int, is_number, json_bytes, read_json
+
+class WindowProfiler:
+    """--profile-windows K: the PyTorch profiler over K accumulation windows of epoch 1.
+
+    Window 1 is skipped and window 2 is the profiler's warm-up (DDP rebuilds its buckets in one of them, and a
+    profiler's first steps run slow); windows 3 to K + 2 are recorded. The audit's totals are read at the edges
+    of the recorded micro-batches, so that the two witnesses count the same collectives: the profiler sees the
+    c10d calls (c10d::allreduce_, c10d::broadcast_) and their executions (gloo's threads on CPU, NCCL kernels on
+    GPU), the audit its hook and AuditedDDP.
+    """
+
+    def __init__(self, windows, accum_steps, plan_length, device, audit):
+        self.first, self.stop = 2 * accum_steps, (2 + windows) * accum_steps
+        if self.stop > plan_length:
+            most = plan_length // accum_steps - 2
+            remedy = f"pass --profile-windows {most} or less" if most > 0 else "use more data or a smaller --accum-steps"
+            raise LabError(
+                f"--profile-windows {windows} needs {2 + windows} windows of {accum_steps} micro-batches in an epoch "
+                f"(one skipped, one of warm-up, {windows} profiled); an epoch here has {plan_length} micro-batches: "
+                f"{remedy}"
+            )
+        self.device, self.audit = device, audit
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        recorded = schedule(skip_first=accum_steps, wait=0, warmup=accum_steps, active=windows * accum_steps, repeat=1)
+        self.profiler = profile(activities=activities, schedule=recorded)
+
+    def __enter__(self):
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exception):
+        return self.profiler.__exit__(*exception)
+
+    def span(self, name):
+        return record_function(name)
+
+    def after_micro_batch(self, index):
+        if index == self.first - 1:
+            read_clock(self.device)
+            self.audit_before = self.audit.totals()
+        elif index == self.stop - 1:
+            read_clock(self.device)
+            settle_comm_hooks()  # gloo's threads close their last events before the profiler stops
+            self.audit_after = self.audit.totals()
+        self.profiler.step()  # the schedule counts micro-batches: its step n is micro-batch n
+
+    def summary(self, rank):
+        """What this rank's profiler saw in the recorded micro-batches, and what its audit counted there.
+
+        Times are seconds from the start of the first recorded micro-batch. Each c10d call is paired, in
+        order, with its execution (gloo runs a group's collectives in the order they were called; NCCL's
+        kernels run in stream order).
+        """
+        events = self.profiler.events()
+        micro_batches = sorted((e for e in events if e.name.startswith(MICRO_BATCH_LABEL)), key=event_start)
+        origin = event_start(micro_batches[0])
+        agreement_spans = [e.time_range for e in events if e.name == RANK_AGREEMENT_LABEL]
+        calls, executions, collectives = {}, {}, []
+        for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
+            called = sorted((e for e in events if e.name == call_name), key=event_start)
+            executed = sorted((e for e in events if is_execution(e, gloo_name, nccl_word)), key=event_start)
+            calls[call_name], executions[call_name] = len(called), len(executed)
+            for call, execution in zip(called, executed):
+                kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
+                if any(span.start <= event_start(call) <= span.end for span in agreement_spans):
+                    kind = "rank-agreement all-reduce"
+                collectives.append([kind, *relative_span(execution, origin)])
+        spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
+        collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
+        for kind, start, end in collectives:
+            collective_seconds[kind] += end - start
+        # A micro-batch's compute: its span less the collectives' executions within it (on CPU the main thread
+        # waits for them at the end of a synchronized backward).
+        compute = [
+            end - start - sum(max(0.0, min(end, stop) - max(start, begin)) for _, begin, stop in collectives)
+            for _, start, end in spans
+        ]
+        return {
+            "rank": rank,
+            "calls": calls,
+            "executions": executions,
+            "collective_seconds": collective_seconds,
+            "compute_seconds_per_micro_batch": sum(compute) / len(compute),
+            "micro_batches": spans,
+            "collectives": sorted(collectives, key=lambda collective: collective[1]),
+            "audit": {key: self.audit_after[key] - self.audit_before[key] for key in self.audit_after},
+        }
+
+    def write(self, folder, place, windows):
+        """Every rank's summary to rank 0, which writes them (profile.json) and its own trace (Perfetto)."""
+        summaries = [None] * place.world_size
+        dist.all_gather_object(summaries, self.summary(place.rank))
+        if place.rank != 0:
+            return
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = Path(scratch) / PROFILE_TRACE_FILE
+            self.profiler.export_chrome_trace(str(trace))
+            folder.write(PROFILE_TRACE_FILE, trace.read_bytes())
+        record = {"windows": windows, "micro_batches": [self.first, self.stop], "ranks": summaries}
+        folder.write(PROFILE_FILE, json_bytes(record))
+
+
+MICRO_BATCH_LABEL = "micro-batch "
+RANK_AGREEMENT_LABEL = "rank agreement"
+# Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
+# (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
+COLLECTIVE_EVENTS = {"c10d::allreduce_": ("gloo:all_reduce", "AllReduce"), "c10d::broadcast_": ("gloo:broadcast", "Broadcast")}
+
+
+def event_start(event):
+    return event.time_range.start
+
+
+def relative_span(event, origin):
+    return [(event.time_range.start - origin) / 1e6, (event.time_range.end - origin) / 1e6]
+
+
+def is_execution(event, gloo_name, nccl_word):
+    on_gpu = event.device_type == torch.autograd.DeviceType.CUDA and event.name.startswith("nccl")
+    return event.name == gloo_name or (on_gpu and nccl_word in event.name)
+
+
+# ----------------------------------------------------------------------------- the witness checked (verify.py)
+
+
+def in_range(runs, first, stop):
+    return sum(first <= position < stop for position in from_progressions(runs))
+
+
+def check_profile(folder, record, history):
+    """train.py --profile-windows K: the profiler's c10d calls in the recorded micro-batches of epoch 1 must
+    be the audit's for the same micro-batches, on every rank: each hook call and each rank-agreement
+    all-reduce (one per optimizer step) a c10d::allreduce_, each buffer or bucket-rebuild broadcast a
+    c10d::broadcast_; on gloo each call also executed once. Returns the profile, or None without one."""
+    path = folder / PROFILE_FILE
+    if PROFILE_FILE not in record["files"]:
+        check(not path.exists(), path, f"is not listed in {RUN_RECORD_FILE}: it does not come from this run")
+        return None
+    profile = read_json(path)
+    config = record["config"]
+    accum_steps = config["accum_steps"]
+    windows = profile.get("windows") if isinstance(profile, dict) else None
+    check(is_int(windows) and windows > 0, path, f"windows must be a positive whole number, got {windows!r}")
+    span = [2 * accum_steps, (2 + windows) * accum_steps]
+    check(profile.get("micro_batches") == span, path, f"micro_batches must be {span} for {windows} windows of {accum_steps}")
+    ranks = profile.get("ranks")
+    check(
+        isinstance(ranks, list)
+        and [summary.get("rank") if isinstance(summary, dict) else None for summary in ranks] == list(range(config["world_size"])),
+        path,
+        f"expected one summary per rank, ranks 0 to {config['world_size'] - 1}",
+    )
+    first, stop = span
+    steps = in_range(history[0]["optimizer_step_positions"], first, stop)
+    syncs = in_range(history[0]["gradient_sync_positions"], first, stop)
+    where = f"epoch 1, micro-batches {first}-{stop - 1}"
+    for summary in ranks:
+        rank = summary["rank"]
+        audit, calls, executions = (summary.get(key) for key in ("audit", "calls", "executions"))
+        check(
+            all(isinstance(part, dict) for part in (audit, calls, executions))
+            and all(is_int(audit.get(key)) for key in COUNTS)
+            and all(is_int(part.get(name)) for part in (calls, executions) for name in PROFILED_CALLS),
+            path,
+            f"rank {rank}: calls, executions and audit must hold whole-number counts",
+        )
+        check_profile_spans(path, rank, summary)
+        check(
+            audit["gradient_syncs"] == syncs,
+            path,
+            f"rank {rank}: the audit counted {audit['gradient_syncs']} gradient syncs in {where}, the history's "
+            f"positions put {syncs} there",
+        )
+        expected = {
+            "c10d::allreduce_": (audit["sync_bucket_calls"] + steps, f"{audit['sync_bucket_calls']} hook calls + {steps} rank-agreement all-reduces"),
+            "c10d::broadcast_": (
+                audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
+                f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} bucket-rebuild collectives",
+            ),
+        }
+        for name, (count, made_of) in expected.items():
+            check(
+                calls[name] == count,
+                path,
+                f"rank {rank}: the profiler saw {calls[name]} {name} calls in {where}, the audit counted {made_of} = "
+                f"{count}: the audit and its witness disagree",
+            )
+            if config.get("backend") == "gloo":
+                check(
+                    executions[name] == calls[name],
+                    path,
+                    f"rank {rank}: {calls[name]} {name} calls but {executions[name]} executions on gloo's threads in {where}",
+                )
+    return profile
+
+
+PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
+
+
+def check_profile_spans(path, rank, summary):
+    """What the witness table and the timeline read: times as numbers, spans as [label, start, end]."""
+    seconds, micro_batches, collectives = (summary.get(key) for key in ("collective_seconds", "micro_batches", "collectives"))
+    check(
+        isinstance(seconds, dict) and all(is_number(seconds.get(kind)) for kind in COLLECTIVE_KINDS)
+        and is_number(summary.get("compute_seconds_per_micro_batch")) and is_number(summary["audit"].get("comm_seconds")),
+        path,
+        f"rank {rank}: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers",
+    )
+    check(
+        isinstance(micro_batches, list) and micro_batches
+        and all(isinstance(span, list) and len(span) == 3 and is_int(span[0]) and is_number(span[1]) and is_number(span[2]) for span in micro_batches)
+        and isinstance(collectives, list)
+        and all(isinstance(span, list) and len(span) == 3 and span[0] in COLLECTIVE_KINDS and is_number(span[1]) and is_number(span[2]) for span in collectives),
+        path,
+        f"rank {rank}: micro_batches must be [index, start, end] and collectives [kind, start, end] spans",
+    )

@@ -1,0 +1,63 @@
+"""The house's rules, read from the source: the lab's modules in layers (lab/__init__.py lists them, each
+importing only those above it in the list, and model.py, which imports nothing of the lab), the scripts on top,
+no import cycle, and no module over about 400 lines."""
+import ast
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+LAB = REPO / "lab"
+SCRIPTS = ["model.py", "train.py", "verify.py", "infer.py", "check_env.py"]
+
+
+def layer_order():
+    """The modules in the order lab/__init__.py's docstring lists them."""
+    docstring = ast.get_docstring(ast.parse((LAB / "__init__.py").read_text()))
+    return re.findall(r"^    ([a-z_]+)  +", docstring, re.M)
+
+
+def imported_lab_modules(path):
+    """The lab modules and top-level scripts a file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "lab":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("lab."):
+                found.add(node.module.removeprefix("lab."))
+            elif f"{node.module}.py" in SCRIPTS:
+                found.add(f"{node.module}.py")
+        elif isinstance(node, ast.Import):
+            found |= {f"{alias.name}.py" for alias in node.names if f"{alias.name}.py" in SCRIPTS}
+    return found
+
+
+def test_every_lab_module_is_listed_once():
+    listed = layer_order()
+    assert sorted(listed) == sorted(path.stem for path in LAB.glob("*.py") if path.stem != "__init__")
+    assert len(set(listed)) == len(listed)
+
+
+def test_each_lab_module_imports_only_the_modules_above_it_and_model():
+    order = layer_order()
+    for position, name in enumerate(order):
+        imports = imported_lab_modules(LAB / f"{name}.py")
+        allowed = set(order[:position]) | {"model.py"}
+        assert imports <= allowed, f"lab/{name}.py imports {sorted(imports - allowed)}, which are not above it"
+
+
+def test_model_imports_nothing_of_the_lab():
+    assert imported_lab_modules(REPO / "model.py") == set()
+
+
+def test_no_script_is_imported_by_another_script_except_model():
+    for script in SCRIPTS:
+        assert imported_lab_modules(REPO / script) - set(layer_order()) <= {"model.py"}, script
+
+
+def test_no_module_is_much_over_400_lines():
+    sources = [*LAB.glob("*.py"), *map(REPO.joinpath, SCRIPTS), *(REPO / "tools").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in sources}
+    assert {name: length for name, length in lengths.items() if length > 420} == {}
+    assert lengths["train.py"] <= 360
