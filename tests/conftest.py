@@ -2,17 +2,26 @@
 
 Every end-to-end test runs the project's scripts as a user would (torchrun with two CPU ranks, gloo), on
 small synthetic data, and asserts exact counts. The session-wide `lab_runs` trains both modes once and the
-tests that only read artifacts share it (tests that change artifacts work on copies).
+tests that only read artifacts share it (tests that change artifacts work on copies). verify.py and infer.py,
+which most tests run many times, run in this process (run_in_process: the same code as `python verify.py`,
+without 3 s of starting an interpreter and importing torch each time); a few tests run them as processes too.
 """
+import contextlib
 import hashlib
+import io
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+
+# The suite is the CPU suite, in this process too (infer.py runs here): it means the same on a GPU machine.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -23,9 +32,10 @@ INJECT = Path(__file__).resolve().parent / "inject"
 WORKERS = Path(__file__).resolve().parent / "workers"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
 
-# The small experiment most tests share: 1,000 train-source images (800 train, 200 validation), 200 test,
-# local batch 10, accum_steps 4, 2 epochs: 400 images and 40 micro-batches per rank and epoch, 10 windows.
-SOURCE_IMAGES, TEST_IMAGES = 1000, 200
+# The small experiment most tests share: 500 train-source images (400 train, 100 validation), 200 test, local
+# batch 10, accum_steps 4, 2 epochs: 200 images and 20 micro-batches per rank and epoch, 5 windows. Its size
+# keeps `make test` within 20 minutes on a 2-core CPU without BF16 instructions (float32: docs/tests.md).
+SOURCE_IMAGES, TEST_IMAGES = 500, 200
 SMALL_RUN = ["--epochs", "2", "--batch-size", "10", "--accum-steps", "4", "--device", "cpu"]
 # A history row's fields that measure time: they differ between reruns that agree on everything else.
 TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "validation_seconds", "run_id"}
@@ -49,6 +59,35 @@ def run_python(script, *args, env=None, timeout=300, cwd=None):
         env=env or subprocess_env(),
         cwd=cwd or REPO,
     )
+
+
+def run_in_process(script, *args):
+    """A project script run in this process as `python script args` runs it (runpy, as __main__): its
+    stdout, stderr and exit code captured; an exception it lets escape becomes exit 1 and its traceback."""
+    stdout, stderr, saved_argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [str(REPO / script), *map(str, args)]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            except SystemExit as exit:  # as the interpreter ends: a number is the code, a message goes to stderr
+                if isinstance(exit.code, int) or exit.code is None:
+                    code = exit.code or 0
+                else:
+                    print(exit.code, file=sys.stderr)
+                    code = 1
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess(sys.argv, code, stdout.getvalue(), stderr.getvalue())
+
+
+def verify(artifacts, *args):
+    """verify.py --artifacts ARTIFACTS --expect-from-config, in this process."""
+    return run_in_process("verify.py", "--artifacts", artifacts, "--expect-from-config", *args)
 
 
 def torchrun(script, *args, env=None, timeout=600):

@@ -16,7 +16,7 @@ from torch import nn
 
 from lab import audit, experiment
 import model
-from conftest import TIMING, assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, subprocess_env, train as train_run
+from conftest import TIMING, assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, subprocess_env, train as train_run, verify
 from model import MEMORY_FORMAT, CifarCNN
 from lab.precision import choose_precision
 
@@ -175,7 +175,7 @@ def checkpointed_runs(image_data, tmp_path_factory):
 
 
 def test_checkpointed_runs_pass_the_audit_with_the_plain_runs_counts(checkpointed_runs, lab_runs):
-    result = run_python("verify.py", "--artifacts", checkpointed_runs, "--expect-from-config")
+    result = verify(checkpointed_runs)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| every | on | " in result.stdout and "| no_sync | on | " in result.stdout
     plain_artifacts, _ = lab_runs
@@ -197,7 +197,7 @@ def test_verify_refuses_to_compare_a_checkpointed_run_with_a_plain_one(checkpoin
     shutil.copytree(lab_runs[0] / "every", tmp_path / "every")
     shutil.copytree(checkpointed_runs / "no_sync", tmp_path / "no_sync")
     assert_one_line_error(
-        run_python("verify.py", "--artifacts", tmp_path, "--expect-from-config"), "come from different configurations (activation_checkpointing: False vs True", code=1
+        verify(tmp_path), "come from different configurations (activation_checkpointing: False vs True", code=1
     )
 
 
@@ -218,8 +218,8 @@ def test_statistics_updated_twice_are_caught_by_verify(checkpointed_runs, image_
     env = subprocess_env(LAB_TEST_CHECKPOINT="statistics_twice")
     assert_ok(train_run(image_data, runs / "every", "every", "--activation-checkpointing", "--quiet", env=env))
     assert_one_line_error(
-        run_python("verify.py", "--artifacts", runs, "--expect-from-config"),
-        f"{runs}/every/model.pt: features.1 counted 160 BatchNorm updates, the run had 80 training forwards: its running "
+        verify(runs),
+        f"{runs}/every/model.pt: features.1 counted 80 BatchNorm updates, the run had 40 training forwards: its running "
         "statistics were updated more than once per forward",
         code=1,
     )

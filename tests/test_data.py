@@ -10,7 +10,7 @@ from torchvision.datasets import CIFAR10
 
 from lab import cli, data
 from tools import synthetic_data
-from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train
+from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train, verify
 
 
 def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():
@@ -148,6 +148,6 @@ def test_torchvision_layout_end_to_end_counts(tmp_path):
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (10, syncs)
     report = json.loads((tmp_path / "artifacts" / "every" / "report.json").read_text())
     assert report["config"]["data_layout"] == "torchvision"
-    audit = run_python("verify.py", "--artifacts", tmp_path / "artifacts", "--expect-from-config")
+    audit = verify(tmp_path / "artifacts")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"

@@ -1,7 +1,7 @@
 """train.py under torchrun on two CPU ranks, both modes, then verify.py and infer.py on what it wrote.
 
 The counts are worked out by hand for the small experiment of conftest.py: 400 training images per rank
-and epoch in micro-batches of 10 are 40 micro-batches, 10 windows of 4.
+and epoch in micro-batches of 10 are 20 micro-batches, 5 windows of 4.
 """
 import json
 import random
@@ -18,12 +18,12 @@ from model import CLASSES, CifarCNN, eval_transform
 
 GRADIENT_BYTES = 558_538 * 4
 BUFFER_BYTES = 2 * 640 * 4 + 5 * 8  # BatchNorm running mean/var (float32) and 5 int64 counters
-# Buffer broadcasts per epoch (each one collective per dtype: 2): every broadcasts before all 40 training
-# forwards of epoch 1 (39 later: an epoch starts after an evaluation forward) and before the first
-# validation forward; no_sync only before the first forward of each window (10, then 9) and validation.
+# Buffer broadcasts per epoch (each one collective per dtype: 2): every broadcasts before all 20 training
+# forwards of epoch 1 (19 later: an epoch starts after an evaluation forward) and before the first
+# validation forward; no_sync only before the first forward of each window (5, then 4) and validation.
 EXPECTED = {
-    "every": {"syncs": 40, "buffer_syncs": (41, 40)},
-    "no_sync": {"syncs": 10, "buffer_syncs": (11, 10)},
+    "every": {"syncs": 20, "buffer_syncs": (21, 20)},
+    "no_sync": {"syncs": 5, "buffer_syncs": (6, 5)},
 }
 
 
@@ -52,7 +52,7 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
         assert len(history) == 2
         for row, buffer_syncs in zip(history, expected["buffer_syncs"]):
             assert row["mode"] == mode
-            assert row["optimizer_steps"] == 10
+            assert row["optimizer_steps"] == 5
             assert row["gradient_syncs"] == row["sync_bucket_calls"] == expected["syncs"]
             assert row["allreduce_bytes"] == expected["syncs"] * GRADIENT_BYTES
             assert row["buffer_broadcast_collectives"] == 2 * buffer_syncs
@@ -60,18 +60,18 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["rebuild_broadcast_collectives"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
             assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
             assert row["validation_seconds"] > 0
-            # 40 micro-batches per epoch in windows of 4: where the syncs and steps happened, not only how many.
-            assert row["gradient_sync_positions"] == ([[0, 40, 1]] if mode == "every" else [[3, 40, 4]])
-            assert row["optimizer_step_positions"] == [[3, 40, 4]]
+            # 20 micro-batches per epoch in windows of 4: where the syncs and steps happened, not only how many.
+            assert row["gradient_sync_positions"] == ([[0, 20, 1]] if mode == "every" else [[3, 20, 4]])
+            assert row["optimizer_step_positions"] == [[3, 20, 4]]
             assert row["train_images_per_second"] > 0
 
 
 def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, tmp_path):
-    """400 images per rank in micro-batches of 100: one window per epoch. no_sync's only sync is the epoch's
+    """200 images per rank in micro-batches of 50: one window per epoch. no_sync's only sync is the epoch's
     last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
     artifacts = tmp_path / "artifacts"
     for mode in ("every", "no_sync"):
-        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "100", "--quiet"))
+        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "50", "--quiet"))
     history = read_json(artifacts / "no_sync" / "history.json")
     assert [(row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"]) for row in history] == [
         (1, 4, 0),
@@ -106,7 +106,7 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
         assert records.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
         config = record["config"]
         assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 10, 4, 2)
-        assert (config["train_size"], config["validation_size"], config["test_size"]) == (800, 200, TEST_IMAGES)
+        assert (config["train_size"], config["validation_size"], config["test_size"]) == (400, 100, TEST_IMAGES)
         assert (config["device"], config["backend"]) == ("cpu", "gloo")
         assert records.unfinished_runs(folder) == []
 
@@ -125,9 +125,9 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |" in lines
-    assert any(line.startswith("| every | 10 | 40 | ") for line in lines)
-    assert any(line.startswith("| no_sync | 10 | 10 | ") for line in lines)
-    assert any(line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.86x | 3.86x | 1.00x |") for line in lines), lines
+    assert any(line.startswith("| every | 5 | 20 | ") for line in lines)
+    assert any(line.startswith("| no_sync | 5 | 5 | ") for line in lines)
+    assert any(line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.73x | 3.73x | 1.00x |") for line in lines), lines
     # The profiler's witness, per rank: every's 2 windows 8 gradient all-reduces + 2 rank-agreement
     # all-reduces and 16 buffer broadcasts (2 dtypes x 8 synchronized forwards); no_sync's 2 + 2 and 4.
     for rank in (0, 1):

@@ -1,6 +1,6 @@
 """no_sync changes the communication and nothing else: the same updates as `every` and as one process that
-accumulates both ranks' gradients by hand (tests/workers/equivalence.py; CPU; without autocast, and with the
-lab's BF16 autocast).
+accumulates both ranks' gradients by hand (tests/workers/equivalence.py; CPU; float32 and float64 without
+autocast, and BF16 autocast on float32 weights: the lab's two precisions and an exact reference).
 
 Three comparisons, each after every optimizer step, of the synchronized gradients and the parameters:
 - float32, against a hand-made reference that adds the same numbers in the same order as the mode does

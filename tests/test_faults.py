@@ -21,6 +21,7 @@ from conftest import (
     run_python,
     subprocess_env,
     train,
+    verify,
 )
 
 
@@ -73,25 +74,25 @@ def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):
 
 
 def test_a_partial_last_window_stops_before_training_with_the_documents_message(image_data, tmp_path):
-    # 400 images per rank in micro-batches of 30: 14 micro-batches, not a multiple of 4.
+    # 200 images per rank in micro-batches of 30: 7 micro-batches, not a multiple of 4.
     result = train(image_data, tmp_path / "out", "every", "--batch-size", "30")
-    line = assert_train_error(result, "RuntimeError: 14 micro-batch-uri nu se împart exact la accum_steps=4")
+    line = assert_train_error(result, "RuntimeError: 7 micro-batch-uri nu se împart exact la accum_steps=4")
     assert "--partial-window scale" in line
     assert not tmp_path.joinpath("out").exists() and records.unfinished_runs(tmp_path / "out") == []
 
 
 def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     artifacts = tmp_path / "artifacts"
-    for mode, syncs, device in (("every", 14, "auto"), ("no_sync", 4, "cpu")):
+    for mode, syncs, device in (("every", 7, "auto"), ("no_sync", 2, "cpu")):
         result = assert_ok(
             train(image_data, artifacts / mode, mode, "--batch-size", "30", "--partial-window", "scale", "--epochs", "1", "--quiet", "--device", device)
         )
         row = json.loads(result.stdout.splitlines()[0])
-        assert (row["optimizer_steps"], row["gradient_syncs"]) == (4, syncs)
+        assert (row["optimizer_steps"], row["gradient_syncs"]) == (2, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
         notices = [line for line in result.stderr.splitlines() if "0 GPU(s) visible for 2 process(es) on node 0; running on CPU" in line]
         assert len(notices) == (1 if device == "auto" else 0), result.stderr
-    audit = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    audit = verify(artifacts)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"
 
@@ -146,7 +147,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     assert read_json(output / records.RUN_RECORD_FILE)["run_id"] == previous_run
     assert len(records.unfinished_runs(output)) == 1
     shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
-    audit = run_python("verify.py", "--artifacts", tmp_path, "--expect-from-config")
+    audit = verify(tmp_path)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert f"every: run {previous_run}" in audit.stdout
     assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout

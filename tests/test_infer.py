@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import assert_one_line_error, read_json, run_python
+from conftest import assert_one_line_error, read_json, run_in_process, run_python
 from model import CLASSES
 
 
@@ -21,7 +21,7 @@ def checkpoint(lab_runs):
 
 
 def infer(checkpoint, *images, extra=()):
-    return run_python("infer.py", "--checkpoint", checkpoint, "--image", *images, *extra)
+    return run_in_process("infer.py", "--checkpoint", checkpoint, "--image", *images, *extra)
 
 
 def png_header_only(path, width, height):

@@ -10,7 +10,7 @@ import torch
 
 from lab import data, records
 from tools import synthetic_data
-from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, run_python, train
+from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, run_python, train, verify
 
 CPU = torch.device("cpu")
 SIZE = 32
@@ -157,5 +157,5 @@ def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_lo
     assert [[row[key] for key in counts] for row in rows] == [[row[key] for key in counts] for row in tensor_rows]
     record = read_json(mixed / "no_sync" / records.RUN_RECORD_FILE)
     assert record["config"]["loader"] == "pil" and record["config"]["train_size"] == SOURCE_IMAGES * 4 // 5
-    audit = run_python("verify.py", "--artifacts", mixed, "--expect-from-config")
+    audit = verify(mixed)
     assert_one_line_error(audit, "come from different configurations (loader: 'tensor' vs 'pil')", code=1)

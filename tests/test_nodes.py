@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tools import loopback
-from conftest import PROFILED, REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env
+from conftest import PROFILED, REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env, verify
 from test_faults import rank_pid
 
 NODE_FAILURE_SECONDS = 60
@@ -99,7 +99,7 @@ def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_run
 
 def test_verify_passes_on_a_two_node_pair(two_node_runs):
     (node0, _), _ = two_node_runs
-    result = run_python("verify.py", "--artifacts", node0 / "artifacts", "--expect-from-config")
+    result = verify(node0 / "artifacts")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
     # The profiler's witness of both nodes' ranks, gathered by rank 0 on node 0.

@@ -6,14 +6,14 @@ import pytest
 from PIL import Image
 
 from lab import experiment, records, tables
-from conftest import copy_runs, read_json, run_python
+from conftest import copy_runs, read_json, run_python, verify
 from lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
 @pytest.fixture(scope="module")
 def audited(lab_runs, tmp_path_factory):
     artifacts = copy_runs(lab_runs[0], tmp_path_factory.mktemp("pictures") / "artifacts")
-    result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    result = verify(artifacts)
     assert result.returncode == 0, result.stderr
     return artifacts
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lab import records, tables
-from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, run_python, train
+from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, run_python, train, verify
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
 # each window ends in one optimizer step and its rank-agreement all-reduce; DDP broadcasts the buffers (2
@@ -64,7 +64,7 @@ def reseal(folder, name, change):
 
 
 def audit(artifacts):
-    return run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    return verify(artifacts)
 
 
 def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
@@ -103,11 +103,11 @@ def test_a_profile_that_is_not_the_runs_own_fails(runs):
 
 
 def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
-    result = train(image_data, tmp_path / "out", "every", "--profile-windows", "9", "--quiet")
+    result = train(image_data, tmp_path / "out", "every", "--profile-windows", "4", "--quiet")
     assert_train_error(
         result,
-        "--profile-windows 9 needs 11 windows of 4 micro-batches in an epoch (one skipped, one of warm-up, 9 profiled); "
-        "an epoch here has 40 micro-batches: pass --profile-windows 8 or less",
+        "--profile-windows 4 needs 6 windows of 4 micro-batches in an epoch (one skipped, one of warm-up, 4 profiled); "
+        "an epoch here has 20 micro-batches: pass --profile-windows 3 or less",
     )
     assert not (tmp_path / "out").exists() and records.unfinished_runs(tmp_path / "out") == []
 

@@ -9,7 +9,7 @@ from PIL import Image
 from torch import nn
 
 from lab import records
-from conftest import assert_ok, assert_one_line_error, copy_runs, read_json, run_python, subprocess_env, train
+from conftest import assert_ok, assert_one_line_error, copy_runs, read_json, run_in_process, run_python, subprocess_env, train, verify
 from model import CLASSES
 
 COUNTS = ("optimizer_steps", "gradient_syncs", "sync_bucket_calls", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes", "rebuild_broadcast_collectives")
@@ -22,7 +22,7 @@ def runs(lab_runs, tmp_path):
 
 
 def audit(artifacts):
-    return run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    return verify(artifacts)
 
 
 def edit_json(path, change):
@@ -74,18 +74,18 @@ def test_counts_that_disagree_with_the_expectation(runs):
 
     def sync_every_micro_batch(rows):
         for row in rows:
-            row.update(gradient_syncs=40, sync_bucket_calls=40)
+            row.update(gradient_syncs=20, sync_bucket_calls=20)
 
     edit_json(runs / "no_sync" / "history.json", sync_every_micro_batch)
     line = assert_one_line_error(
-        audit(runs), f"RuntimeError: {runs}/no_sync/history.json: expected 10 gradient syncs, got 40", code=1
+        audit(runs), f"RuntimeError: {runs}/no_sync/history.json: expected 5 gradient syncs, got 20", code=1
     )
     assert "forward ran outside no_sync()" in line
 
 
 def test_tampered_bytes_count(runs):
     edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(allreduce_bytes=rows[0]["allreduce_bytes"] // 4))
-    assert_one_line_error(audit(runs), "expected 89366080 all-reduced bytes, got 22341520 (epoch 1)", code=1)
+    assert_one_line_error(audit(runs), "expected 44683040 all-reduced bytes, got 11170760 (epoch 1)", code=1)
 
 
 def test_runs_with_different_configurations(runs):
@@ -192,15 +192,15 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
 
 
 def test_usage_errors_exit_2(runs):
-    assert_one_line_error(run_python("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")
+    assert_one_line_error(run_in_process("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")
 
 
 def test_a_sync_recorded_in_the_wrong_micro_batch(runs):
-    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[1].update(gradient_sync_positions=[[3, 36, 4], [38, 39, 1]]))
+    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[1].update(gradient_sync_positions=[[3, 16, 4], [18, 19, 1]]))
     assert_one_line_error(
         audit(runs),
-        "no_sync/history.json: epoch 2: gradient sync 10 of the epoch ran in the backward of micro-batch 38; "
-        "the window plan puts it in micro-batch 39's",
+        "no_sync/history.json: epoch 2: gradient sync 5 of the epoch ran in the backward of micro-batch 18; "
+        "the window plan puts it in micro-batch 19's",
         code=1,
     )
 
@@ -219,7 +219,7 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
             "epoch 1: gradient sync 1 of the epoch ran in the backward of micro-batch 0; the window plan puts it in micro-batch 3's",
         ),
         ("step_inside", "epoch 1: optimizer step 1 of the epoch came after micro-batch 0; the window plan puts it after micro-batch 3"),
-        ("backward_only_in_no_sync", "expected 10 gradient syncs, got 40 (epoch 1; the forward ran outside no_sync()"),
+        ("backward_only_in_no_sync", "expected 5 gradient syncs, got 20 (epoch 1; the forward ran outside no_sync()"),
     ],
 )
 def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, broken, message):
@@ -232,9 +232,9 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
     rows, correct_rows = (read_json(folder / "no_sync" / "history.json") for folder in (runs, artifacts))
     counts = [(row["optimizer_steps"], row["gradient_syncs"]) for row in rows]
     if broken == "backward_only_in_no_sync":
-        assert counts == [(10, 40), (10, 40)] and rows[0]["gradient_sync_positions"] == [[0, 40, 1]]
+        assert counts == [(5, 20), (5, 20)] and rows[0]["gradient_sync_positions"] == [[0, 20, 1]]
     else:
-        assert counts == [(row["optimizer_steps"], row["gradient_syncs"]) for row in correct_rows] == [(10, 10), (10, 10)]
+        assert counts == [(row["optimizer_steps"], row["gradient_syncs"]) for row in correct_rows] == [(5, 5), (5, 5)]
     if broken == "step_inside":  # every count the audit keeps is the correct run's
         assert [{key: row[key] for key in COUNTS} for row in rows] == [{key: row[key] for key in COUNTS} for row in correct_rows]
     if broken != "backward_only_in_no_sync":  # each rank stepped on its own unsynchronized gradients too
@@ -243,32 +243,32 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
 
 
 def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, image_data, tmp_path):
-    """Rank 1 moves one weight after its 13th optimizer step (epoch 2, step 3): the counts and positions are
+    """Rank 1 moves one weight after its 8th optimizer step (epoch 2, step 3): the counts and positions are
     the correct run's, but the ranks' parameter fingerprints differ from that step on."""
     artifacts, _ = lab_runs
     runs = tmp_path / "artifacts"
     shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:13")))
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:8")))
     rows, correct_rows = (read_json(folder / "every" / "history.json") for folder in (runs, artifacts))
     positions = ("gradient_sync_positions", "optimizer_step_positions")
     assert [{key: row[key] for key in COUNTS + positions} for row in rows] == [
         {key: row[key] for key in COUNTS + positions} for row in correct_rows
     ]
     assert [(row["steps_with_ranks_agreed"], row["first_rank_disagreement"]) for row in rows] == [
-        (10, None),
+        (5, None),
         (2, {"optimizer_step": 3, "differed": ["parameters"]}),
     ]
     assert_one_line_error(
         audit(runs),
         f"{runs}/every/history.json: epoch 2: at optimizer step 3 the ranks held different parameters "
-        "(agreed at 2 of 10 steps): they no longer trained one model",
+        "(agreed at 2 of 5 steps): they no longer trained one model",
         code=1,
     )
 
 
 def test_a_tampered_agreement_record(runs):
-    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[0].update(steps_with_ranks_agreed=9))
-    assert_one_line_error(audit(runs), "epoch 1: the ranks agreed at 9 of 10 optimizer steps, and first_rank_disagreement does not say where", code=1)
+    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[0].update(steps_with_ranks_agreed=4))
+    assert_one_line_error(audit(runs), "epoch 1: the ranks agreed at 4 of 5 optimizer steps, and first_rank_disagreement does not say where", code=1)
 
 
 def test_memory_fields_of_the_wrong_kind(runs):

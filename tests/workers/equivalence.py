@@ -9,8 +9,9 @@ hand-made reference after each step. In float32 it also compares each mode with 
 that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
 divided, a step inside the window, a short window divided by accum_steps), which must differ. Under BF16
 autocast on float32 weights (precision.py's bf16) it runs the full windows with the broken plans too, on 8x8
-images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instructions, and the numerics it
-checks do not depend on the image size (the CNN ends in a global average).
+images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instructions; float64, which no CPU
+computes fast, runs on 16x16 images. What they check does not depend on the image size (the CNN ends in a
+global average); float32, the lab's other precision, runs on CIFAR's 32x32.
 """
 import json
 import sys
@@ -33,7 +34,7 @@ from model import IMAGE_SIZE, MEMORY_FORMAT, CifarCNN  # noqa: E402
 from lab.precision import choose_precision  # noqa: E402
 
 BATCH, ACCUM, SEED = 8, 4, 47
-BF16_IMAGE_SIZE = 8
+BF16_IMAGE_SIZE, FLOAT64_IMAGE_SIZE = 8, 16
 CPU = torch.device("cpu")
 
 
@@ -198,7 +199,7 @@ def main():
     bfloat16_autocast = partial(choose_precision("bf16", CPU).autocast, "cpu")  # as train.py --precision bf16
     cases = (("full_windows", 12, "error"), ("partial_window", 14, "scale"))
     precisions = (
-        ("float64", torch.float64, nullcontext, cases, IMAGE_SIZE),
+        ("float64", torch.float64, nullcontext, cases, FLOAT64_IMAGE_SIZE),
         ("float32", torch.float32, nullcontext, cases, IMAGE_SIZE),  # as train.py --precision fp32
         ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1], BF16_IMAGE_SIZE),
     )
