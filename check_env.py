@@ -9,6 +9,7 @@ has at least one visible GPU per process it runs, else CPU (gloo). The precision
 device: BF16 autocast where it computes BF16 natively, float32 elsewhere; this check prints the decision and
 why, as train.py does at start-up.
 """
+
 import platform
 import shutil
 import sys

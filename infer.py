@@ -14,6 +14,7 @@ runs it as train.py's evaluation does (channels_last, in the precision the run r
 --precision), so that its classes are the ones the test metrics and the confusion matrix counted. The docs say
 how often the two disagree.
 """
+
 import argparse
 import json
 import sys

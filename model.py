@@ -6,6 +6,7 @@
 (The document says 445,834; the network it defines has 558,538 parameters: convolutions 1,728 + 36,864 +
 73,728 + 147,456 + 294,912, BatchNorm 1,280, linear 2,570. tests/test_model.py checks the true count.)
 """
+
 import pickle
 import zipfile
 from contextlib import contextmanager, nullcontext
@@ -53,7 +54,12 @@ STAGES = ((0, 7), (7, 14), (14, 18))
 
 
 def batchnorm_buffers(module):
-    return [buffer for layer in module.modules() if isinstance(layer, nn.modules.batchnorm._BatchNorm) for buffer in layer.buffers()]
+    return [
+        buffer
+        for layer in module.modules()
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm)
+        for buffer in layer.buffers()
+    ]
 
 
 @contextmanager
@@ -112,7 +118,9 @@ class CifarCNN(nn.Module):
             # and DDP sees each parameter's gradient once (README "Activation checkpointing").
             features = inputs
             for stage in self.stages():
-                features = checkpoint(stage, features, use_reentrant=False, context_fn=partial(recompute_context, stage))
+                features = checkpoint(
+                    stage, features, use_reentrant=False, context_fn=partial(recompute_context, stage)
+                )
         else:
             features = self.features(inputs)
         return self.classifier(features.flatten(1))
@@ -147,7 +155,9 @@ def load_checkpoint(path):
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise CheckpointError(f"checkpoint has no 'model' state dict: {path}; use a model.pt written by train.py")
     if tuple(checkpoint.get("classes", ())) != CLASSES:
-        raise CheckpointError(f"checkpoint classes differ from model.CLASSES: {path}; use a model.pt written by train.py")
+        raise CheckpointError(
+            f"checkpoint classes differ from model.CLASSES: {path}; use a model.pt written by train.py"
+        )
     model = CifarCNN()
     try:
         model.load_state_dict(checkpoint["model"])

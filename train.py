@@ -23,6 +23,7 @@ documented settings; per rank, totals over 5 epochs; docs/results.md has the who
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """
+
 import os
 
 # cuBLAS refuses deterministic mode without a fixed workspace; it must be set before CUDA initializes.
@@ -49,7 +50,9 @@ SCRIPT = launch.SCRIPT
 
 def parse_args(argv=None):
     documented = experiment.DOCUMENTED
-    parser = launch.TorchrunArgumentParser(prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode.")
+    parser = launch.TorchrunArgumentParser(
+        prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode."
+    )
     parser.add_argument("--mode", choices=experiment.MODES, required=True)
     parser.add_argument("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
     parser.add_argument("--epochs", type=positive_int, default=documented["epochs"])
@@ -98,7 +101,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
-        "--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="seconds between progress lines"
+        "--progress-every",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between progress lines",
     )
     return parser.parse_args(argv)
 
@@ -271,13 +278,10 @@ def run(args, place):
             torch.cuda.reset_peak_memory_stats(device)
         epoch_started = audit.read_clock(device)
         profiled = profiler if epoch == 1 else None
-        try:
-            with profiled or nullcontext():
-                train_totals, trace = train_epoch(
-                    ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress, profiled
-                )
-        except RuntimeError as error:
-            raise audit.explain_ddp_error(error) or error
+        with profiled or nullcontext(), audit.ddp_errors_explained():
+            train_totals, trace = train_epoch(
+                ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress, profiled
+            )
         validation_started = audit.read_clock(device)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         validation = evaluate(ddp_model, loaders.validation, criterion, device, autocast, progress, "validation", group)
@@ -295,7 +299,9 @@ def run(args, place):
             profiled.write(folder, place, args.profile_windows)
 
     progress.prefix = ""
-    test_loss, test_accuracy, confusion = evaluate(ddp_model, loaders.test, criterion, device, autocast, progress, "test", group)
+    test_loss, test_accuracy, confusion = evaluate(
+        ddp_model, loaders.test, criterion, device, autocast, progress, "test", group
+    )
     if is_writer:
         report = records.write_results(
             folder, args, config, confusion, majority, ddp_model.module, setup.source.test_images[0],

@@ -13,58 +13,16 @@ equal to the audit's in the profiled windows, rank by rank. A failure is one lin
 wrong (exit 1). On success it also draws curves.png and communication.png next to the run folders, and
 timeline.png when both runs were profiled.
 """
-import itertools
-import math
+
 from pathlib import Path
 
-from PIL import Image
-
-from lab import experiment, tables
+from lab import checks, experiment, tables
 from lab.cli import ArgumentParser, LabError, exit_with
-from lab.precision import NUMERICS
-from lab.records import (
-    HISTORY_FILE,
-    MODEL_FILE,
-    REPORT_FILE,
-    RUN_FILES,
-    RUN_RECORD_FILE,
-    AuditError,
-    CONFUSION_FILE,
-    SAMPLE_FILE,
-    check,
-    describe_unfinished,
-    is_int,
-    is_number,
-    read_json,
-    require_file,
-    sha256_file,
-    top_confusions,
-)
+from lab.records import CONFUSION_FILE, HISTORY_FILE, MODEL_FILE, REPORT_FILE, SAMPLE_FILE, describe_unfinished
 from lab.witness import check_profile
-from model import CLASSES, IMAGE_SIZE, CheckpointError, CifarCNN, load_checkpoint
+from model import IMAGE_SIZE, CifarCNN
 
 SCRIPT = "verify.py"
-COUNT_LABELS = {
-    "optimizer_steps": "optimizer steps",
-    "gradient_syncs": "gradient syncs",
-    "sync_bucket_calls": "hook calls",
-    "allreduce_bytes": "all-reduced bytes",
-    "buffer_broadcast_collectives": "buffer-broadcast collectives",
-    "broadcast_bytes": "broadcast bytes",
-    "rebuild_broadcast_collectives": "bucket-rebuild broadcast collectives",
-}
-ROW_INTEGERS = ("epoch", *COUNT_LABELS)
-CONFIG_COUNTS = ("world_size", "batch_size", "accum_steps", "epochs", "train_size", "validation_size", "test_size")
-ROW_NUMBERS = (
-    "train_loss",
-    "train_accuracy",
-    "validation_loss",
-    "validation_accuracy",
-    "comm_seconds",
-    "epoch_seconds",
-    "train_images_per_second",
-    "validation_seconds",
-)
 
 
 def parse_args():
@@ -78,255 +36,14 @@ def parse_args():
     return parser.parse_args()
 
 
-def read_run_record(folder, mode):
-    path = folder / RUN_RECORD_FILE
-    if not path.is_file():
-        unfinished = describe_unfinished(folder)
-        hint = f"; {'; '.join(unfinished)}: rerun train.py --mode {mode}" if unfinished else f"; run train.py --mode {mode}"
-        raise AuditError(f"Lipsește artefactul obligatoriu: {path}{hint}", kind="FileNotFoundError")
-    record = read_json(path)
-    check(isinstance(record, dict), path, "expected a JSON object")
-    check(isinstance(record.get("run_id"), str), path, "no run_id")
-    check(record.get("mode") == mode, path, f"expected mode={mode}, got {record.get('mode')}")
-    check(isinstance(record.get("config"), dict), path, "no config")
-    check(isinstance(record.get("files"), dict), path, "no files list")
-    for name in RUN_FILES:
-        entry = record["files"].get(name)
-        check(
-            isinstance(entry, dict) and is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str),
-            path,
-            f"does not list {name} with its size and SHA-256",
-        )
-    config = record["config"]
-    for key in CONFIG_COUNTS:
-        check(is_int(config.get(key)) and config[key] > 0, path, f"config {key} must be a positive whole number, got {config.get(key)!r}")
-    check(config.get("partial_window") in experiment.PARTIAL_WINDOW_POLICIES, path, f"config partial_window {config.get('partial_window')!r} is unknown")
-    check(config.get("precision") in NUMERICS, path, f"config precision {config.get('precision')!r} is neither bf16 nor fp32")
-    return record
-
-
-# What a run records of the machines it ran on: printed, not compared (the same experiment may run each mode
-# on other hardware, in the same precision).
-DESCRIPTIVE_CONFIG = {"hardware"}
-
-
-def compare_configs(every_record, no_sync_record, artifacts):
-    every_config, no_sync_config = every_record["config"], no_sync_record["config"]
-    differences = [
-        f"{key}: {every_config.get(key)!r} vs {no_sync_config.get(key)!r}"
-        for key in sorted((set(every_config) | set(no_sync_config)) - DESCRIPTIVE_CONFIG)
-        if every_config.get(key) != no_sync_config.get(key)
-    ]
-    if differences:
-        raise AuditError(
-            f"{artifacts}/every and {artifacts}/no_sync come from different configurations ({'; '.join(differences)}); "
-            f"rerun both modes with the same settings and data"
-        )
-
-
-# ----------------------------------------------------------------------------- one run
-
-
-def check_history(path, mode, record, expected_config, sizes, hint):
-    history = read_json(path)
-    check(isinstance(history, list) and all(isinstance(row, dict) for row in history), path, "expected a list of epoch rows")
-    if len(history) != expected_config["epochs"]:
-        raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}{hint}")
-    for number, row in enumerate(history, start=1):
-        for key in ROW_INTEGERS:
-            check(is_int(row.get(key)), path, f"epoch row {number}: {key} must be a whole number, got {row.get(key)!r}")
-        for key in ROW_NUMBERS:
-            check(is_number(row.get(key)), path, f"epoch row {number}: {key} must be a number, got {row.get(key)!r}")
-        check(row["epoch"] == number, path, f"epoch row {number} is numbered {row['epoch']}")
-        check(row.get("mode") == mode, path, f"expected mode={mode}, got {row.get('mode')}")
-        check(row.get("run_id") == record["run_id"], path, f"epoch {number} has run id {row.get('run_id')}, run.json {record['run_id']}")
-        for key in ("train_accuracy", "validation_accuracy"):
-            check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
-        expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes)
-        # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts).
-        check_counts(path, number, row, {key: expected.pop(key) for key in POSITION_FIELDS}, mode, hint)
-        check_positions(path, number, row, experiment.epoch_plan(expected_config), mode, hint)
-        check_rank_agreement(path, number, row)
-        check_counts(path, number, row, expected, mode, hint)
-        check_memory_fields(path, number, row, record["config"])
-    return history
-
-
-def check_memory_fields(path, number, row, config):
-    saved, peak = row.get("saved_activation_bytes"), row.get("peak_allocated_bytes")
-    check(is_int(saved) and saved > 0, path, f"epoch row {number}: saved_activation_bytes must be a positive whole number, got {saved!r}")
-    if config.get("device") == "cuda":
-        check(is_int(peak) and peak > 0, path, f"epoch row {number}: peak_allocated_bytes must be a positive whole number on CUDA, got {peak!r}")
-    else:
-        check(peak is None, path, f"epoch row {number}: peak_allocated_bytes must be null on {config.get('device')}, got {peak!r}")
-
-
-def check_same_saved_activations(runs, artifacts):
-    """One configuration, one forward: every epoch of both modes holds the same activations per micro-batch
-    (no_sync changes when gradients are reduced, not what the forward keeps)."""
-    reference = runs["every"][0][0]["saved_activation_bytes"]
-    for mode, (history, _, _) in runs.items():
-        for row in history:
-            check(
-                row["saved_activation_bytes"] == reference,
-                artifacts / mode / HISTORY_FILE,
-                f"epoch {row['epoch']} held {row['saved_activation_bytes']} bytes of activations per micro-batch, "
-                f"every's epoch 1 {reference}: the same forward must hold the same",
-            )
-
-
-def check_rank_agreement(path, number, row):
-    """At every optimizer step all ranks must have held the same gradients before it and the same
-    parameters after it (train.ranks_agree compares float64 fingerprints across the ranks)."""
-    agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")
-    check(is_int(agreed), path, f"epoch row {number}: steps_with_ranks_agreed must be a whole number, got {agreed!r}")
-    if first is None and agreed == row["optimizer_steps"]:
-        return
-    check(
-        isinstance(first, dict) and is_int(first.get("optimizer_step")) and isinstance(first.get("differed"), list),
-        path,
-        f"epoch {number}: the ranks agreed at {agreed} of {row['optimizer_steps']} optimizer steps, and "
-        f"first_rank_disagreement does not say where they did not ({first!r})",
-    )
-    differed = " and ".join(map(str, first["differed"]))
-    raise AuditError(
-        f"{path}: epoch {number}: at optimizer step {first['optimizer_step']} the ranks held different {differed} "
-        f"(agreed at {agreed} of {row['optimizer_steps']} steps): they no longer trained one model"
-    )
-
-
-def check_counts(path, number, row, expected, mode, hint):
-    for key, value in expected.items():
-        if row[key] != value:
-            advice = ""
-            if key == "gradient_syncs" and mode == "no_sync" and row[key] > value:
-                advice = "; the forward ran outside no_sync() or the run used --mode every"
-            raise AuditError(f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice}){hint}")
-
-
-POSITION_FIELDS = {"gradient_syncs": "gradient_sync_positions", "optimizer_steps": "optimizer_step_positions"}
-POSITION_MESSAGES = {
-    "gradient_syncs": "gradient sync {number} of the epoch ran in the backward of micro-batch {happened}; "
-    "the window plan puts it in micro-batch {planned}'s",
-    "optimizer_steps": "optimizer step {number} of the epoch came after micro-batch {happened}; "
-    "the window plan puts it after micro-batch {planned}",
-}
-
-
-def check_positions(path, number, row, plan, mode, hint):
-    """The micro-batches where the syncs and steps happened must be the window plan's, one by one."""
-    planned = experiment.planned_positions(plan, mode)
-    for key, field in POSITION_FIELDS.items():
-        runs = row.get(field)
-        check(
-            isinstance(runs, list)
-            and all(isinstance(run, list) and len(run) == 3 and all(is_int(n) for n in run) for run in runs)
-            and all(0 <= start < stop <= len(plan) and step > 0 for start, stop, step in runs),
-            path,
-            f"epoch row {number}: {field} must be [start, stop, step] runs of micro-batch indices, got {runs!r}",
-        )
-        recorded = experiment.from_progressions(runs)
-        if recorded == planned[key]:
-            continue
-        first, (happened, due) = next(
-            (index, pair) for index, pair in enumerate(itertools.zip_longest(recorded, planned[key], fillvalue="none"))
-            if pair[0] != pair[1]
-        )
-        message = POSITION_MESSAGES[key].format(number=first + 1, happened=happened, planned=due)
-        raise AuditError(f"{path}: epoch {number}: {message}{hint}")
-
-
-def check_report(path, mode, record):
-    report = read_json(path)
-    check(isinstance(report, dict), path, "expected a JSON object")
-    check(report.get("mode") == mode, path, f"expected mode={mode}, got {report.get('mode')}")
-    check(report.get("run_id") == record["run_id"], path, f"run id {report.get('run_id')}, run.json {record['run_id']}")
-    check(report.get("config") == record["config"], path, "its config differs from run.json's")
-    matrix = report.get("confusion_matrix")
-    size = len(CLASSES)
-    check(
-        isinstance(matrix, list)
-        and len(matrix) == size
-        and all(isinstance(row, list) and len(row) == size and all(is_int(c) and c >= 0 for c in row) for row in matrix),
-        path,
-        f"confusion_matrix must be {size}x{size} non-negative whole numbers",
-    )
-    total = sum(map(sum, matrix))
-    test_size = record["config"].get("test_size")
-    check(total == test_size, path, f"the confusion matrix counts {total} test images, the run had {test_size}")
-    for key in ("model_test_loss", "model_test_accuracy", "baseline_accuracy"):
-        check(is_number(report.get(key)), path, f"{key} must be a number, got {report.get(key)!r}")
-    accuracy = sum(matrix[i][i] for i in range(size)) / total
-    check(
-        math.isclose(report["model_test_accuracy"], accuracy, abs_tol=1e-9),
-        path,
-        f"model_test_accuracy {report['model_test_accuracy']} differs from its confusion matrix ({accuracy})",
-    )
-    check(report.get("baseline_class") in CLASSES, path, f"baseline_class {report.get('baseline_class')!r} is not a class")
-    baseline = sum(matrix[CLASSES.index(report["baseline_class"])]) / total
-    check(
-        math.isclose(report["baseline_accuracy"], baseline, abs_tol=1e-9),
-        path,
-        f"baseline_accuracy {report['baseline_accuracy']} differs from its confusion matrix ({baseline})",
-    )
-    check(report.get("top_confusions") == top_confusions(matrix), path, "top_confusions differ from its confusion matrix")
-    return report
-
-
-def check_model(path, mode, record, training_forwards):
-    require_file(path)
-    try:
-        _, checkpoint = load_checkpoint(path)
-    except CheckpointError as error:
-        raise AuditError(str(error)) from None
-    check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}, run.json {record['run_id']}")
-    check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")
-    # Rank 0's BatchNorm layers (DDP broadcasts rank 0's buffers, never into rank 0) count one update per
-    # training forward; more means their statistics were updated twice, as a recomputation can do.
-    for name, value in checkpoint["model"].items():
-        if name.endswith("num_batches_tracked"):
-            check(
-                value.item() == training_forwards,
-                path,
-                f"{name.removesuffix('.num_batches_tracked')} counted {value.item()} BatchNorm updates, the run had "
-                f"{training_forwards} training forwards: its running statistics were updated "
-                f"{'more than once per forward (a recomputation that updates them again?)' if value.item() > training_forwards else 'too rarely'}",
-            )
-
-
-def check_png(path, record, size=None):
-    require_file(path)
-    try:
-        with Image.open(path) as image:
-            image.load()
-            image_format, image_size, text = image.format, image.size, dict(getattr(image, "text", {}))
-    except (OSError, SyntaxError, ValueError) as error:
-        raise AuditError(f"{path}: not a readable PNG ({error}); rerun train.py") from None
-    check(image_format == "PNG", path, f"expected a PNG, got {image_format}")
-    if size is not None:
-        check(image_size == size, path, f"expected {size[0]}x{size[1]} pixels, got {image_size[0]}x{image_size[1]}")
-    check(text.get("run_id") == record["run_id"], path, f"run id {text.get('run_id')}, run.json {record['run_id']}")
-
-
-def check_checksums(folder, record):
-    for name, expected in record["files"].items():
-        path = folder / name
-        require_file(path)
-        check(
-            path.stat().st_size == expected.get("bytes") and sha256_file(path) == expected.get("sha256"),
-            path,
-            f"changed after the run finished (size or SHA-256 differs from {RUN_RECORD_FILE}); rerun train.py",
-        )
-
-
 def audit_run(folder, mode, record, expected_config, sizes, hint):
-    history = check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes, hint)
-    report = check_report(folder / REPORT_FILE, mode, record)
+    history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes, hint)
+    report = checks.check_report(folder / REPORT_FILE, mode, record)
     training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
-    check_model(folder / MODEL_FILE, mode, record, training_forwards)
-    check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
-    check_png(folder / CONFUSION_FILE, record)
-    check_checksums(folder, record)
+    checks.check_model(folder / MODEL_FILE, mode, record, training_forwards)
+    checks.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
+    checks.check_png(folder / CONFUSION_FILE, record)
+    checks.check_checksums(folder, record)
     profile = check_profile(folder, record, history)
     return history, report, profile
 
@@ -334,21 +51,25 @@ def audit_run(folder, mode, record, expected_config, sizes, hint):
 def main():
     args = parse_args()
     artifacts = args.artifacts
-    records = {mode: read_run_record(artifacts / mode, mode) for mode in experiment.MODES}
+    records = {mode: checks.read_run_record(artifacts / mode, mode) for mode in experiment.MODES}
     for mode, record in records.items():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
         config = record["config"]
         print(f"  precision {config.get('precision')} on {', '.join(config.get('hardware') or ['?'])}")
         for note in describe_unfinished(artifacts / mode):
-            print(f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest")
-    compare_configs(records["every"], records["no_sync"], artifacts)
+            print(
+                f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest"
+            )
+    checks.compare_configs(records["every"], records["no_sync"], artifacts)
 
     config = records["every"]["config"]
     if args.expect_from_config:
         expected_config, hint = config, ""
     else:
         expected_config = experiment.DOCUMENTED
-        departures = [f"{key}={config.get(key)}" for key, value in experiment.DOCUMENTED.items() if config.get(key) != value]
+        departures = [
+            f"{key}={config.get(key)}" for key, value in experiment.DOCUMENTED.items() if config.get(key) != value
+        ]
         hint = (
             f" (these runs are not the documented experiment: {', '.join(departures)}; "
             f"to audit them against their own configuration pass --expect-from-config)"
@@ -357,13 +78,16 @@ def main():
         )
     sizes = experiment.comm_sizes(CifarCNN())
     runs = {
-        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, hint) for mode in experiment.MODES
+        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, hint)
+        for mode in experiment.MODES
     }
-    check_same_saved_activations(runs, artifacts)
+    checks.check_same_saved_activations(runs, artifacts)
     tables.print_tables(runs, config)
     tables.print_witness(runs)
     timeline = tables.draw_pictures(artifacts, runs, records)
-    pictures = [artifacts / tables.CURVES_FILE, artifacts / tables.COMMUNICATION_FILE] + ([timeline] if timeline else [])
+    pictures = [artifacts / tables.CURVES_FILE, artifacts / tables.COMMUNICATION_FILE] + (
+        [timeline] if timeline else []
+    )
     print(f"pictures: {', '.join(map(str, pictures))}")
     every_syncs = tables.total(runs["every"][0], "gradient_syncs")
     no_sync_syncs = tables.total(runs["no_sync"][0], "gradient_syncs")

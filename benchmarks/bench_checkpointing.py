@@ -11,6 +11,7 @@ allocated memory of a micro-batch. No DDP: checkpointing changes nothing that cr
 gradients and their buckets are the same), which the lab's runs show by their counts. The table is printed
 and written with everything measured to artifacts/bench/checkpointing.json.
 """
+
 import statistics
 import sys
 from functools import partial
@@ -21,10 +22,10 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from lab import audit, cli, records  # noqa: E402
 from bench_speed import machine  # noqa: E402
-from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
+from lab import audit, cli, records  # noqa: E402
 from lab.precision import PRECISIONS, choose_precision  # noqa: E402
+from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
 
 SCRIPT = "bench_checkpointing.py"
 
@@ -70,13 +71,22 @@ def measure(network, batch_size, args, device, precision):
             micro_batch()
         samples.append((audit.read_clock(device) - started) / args.micro_batches)
     network.zero_grad(set_to_none=True)
-    return {"saved_activation_bytes": sum(held.values()), "seconds_per_micro_batch": samples, "peak_allocated_bytes": peak}
+    return {
+        "saved_activation_bytes": sum(held.values()),
+        "seconds_per_micro_batch": samples,
+        "peak_allocated_bytes": peak,
+    }
 
 
 def main():
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        cli.exit_with(cli.LabError("--device cuda: no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)"), SCRIPT)
+        cli.exit_with(
+            cli.LabError(
+                "--device cuda: no GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu)"
+            ),
+            SCRIPT,
+        )
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # one lab rank: torchrun gives each process one thread
@@ -93,7 +103,7 @@ def main():
     rows = []
     for batch_size in args.batch_sizes:
         results = {name: measure(network, batch_size, args, device, precision) for name, network in networks.items()}
-        for name, result in results.items():
+        for result in results.values():
             result["median_seconds"] = statistics.median(result["seconds_per_micro_batch"])
         rows.append({"batch_size": batch_size, **results})
     print(
@@ -107,7 +117,10 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         plain, checkpointed = row["plain"], row["checkpointed"]
-        peaks = [f"{r['peak_allocated_bytes'] / 1e6:.1f}" if r["peak_allocated_bytes"] else "n/a" for r in (plain, checkpointed)]
+        peaks = [
+            f"{r['peak_allocated_bytes'] / 1e6:.1f}" if r["peak_allocated_bytes"] else "n/a"
+            for r in (plain, checkpointed)
+        ]
         print(
             f"| {row['batch_size']} | {plain['saved_activation_bytes'] / 1e6:.2f} | "
             f"{checkpointed['saved_activation_bytes'] / 1e6:.2f} | "
@@ -119,7 +132,12 @@ def main():
         "machine": machine(device.type),
         "precision": precision.name,
         "precision_reason": precision.reason,
-        "settings": {"batch_sizes": args.batch_sizes, "micro_batches": args.micro_batches, "repeats": args.repeats, "threads": torch.get_num_threads()},
+        "settings": {
+            "batch_sizes": args.batch_sizes,
+            "micro_batches": args.micro_batches,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+        },
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,12 @@ A window costs A(c + s) under `every` and Ac + s under `no_sync`; the predicted 
 The table, artifacts/bench/network.json and artifacts/bench/network.png hold both with the relative error.
 Everything it made (namespace, qdisc, processes, temporary files) is gone when it exits, Ctrl-C included.
 """
+
 import argparse
 import json
 import math
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,13 +36,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from lab import cli, data, experiment, pictures, records  # noqa: E402
-from tools import loopback, synthetic_data  # noqa: E402
-from model import CLASSES  # noqa: E402
 from lab.precision import PRECISIONS  # noqa: E402
+from model import CLASSES  # noqa: E402
+from tools import loopback, netns, synthetic_data  # noqa: E402
 
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
-LINK_MTU = 1500  # Ethernet's; the loopback's own 64 KiB frames would not pass a small token bucket
 RUN_TIMEOUT = 600
 SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table
 
@@ -67,11 +66,17 @@ def parse_rates(text):
 
 def parse_args():
     parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})")
+    parser.add_argument(
+        "--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})"
+    )
     parser.add_argument("--steps", type=cli.positive_int, default=12, help="optimizer steps per run (default 12)")
-    parser.add_argument("--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)")
+    parser.add_argument(
+        "--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)"
+    )
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
-    parser.add_argument("--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)")
+    parser.add_argument(
+        "--data-dir", type=Path, help="an image-folder CIFAR-10 tree to take a subset of (default: synthetic)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -81,83 +86,22 @@ def rate_label(rate):
     return "unlimited" if rate is None else f"{rate:g} Mbit/s"
 
 
-# ----------------------------------------------------------------------------- outside: checks, the namespace
-
-
-def check_prerequisites():
-    if os.geteuid() != 0:
-        raise cli.LabError("needs root to make a network namespace and shape its loopback; run it with sudo")
-    for tool in ("tc", "ip", "unshare", "taskset"):
-        if shutil.which(tool) is None:
-            package = "util-linux" if tool in ("unshare", "taskset") else "iproute2"
-            raise cli.LabError(f"needs {tool}, which is not on PATH; install {package} (apt-get install {package})")
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        raise cli.LabError(
-            f"this machine does not allow network namespaces (unshare --net: {probe.stderr.strip() or probe.returncode}); "
-            f"run it where unshare --net works (a VM, or a container started with CAP_SYS_ADMIN)"
-        )
-
-
-def processes_in_namespace(inode):
-    """PIDs whose network namespace is `inode` (the namespace exists while one of them does)."""
-    found = []
-    for link in Path("/proc").glob("[0-9]*/ns/net"):
-        try:
-            if os.stat(link).st_ino == inode:
-                found.append(int(link.parent.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def run_in_namespace():
-    """Re-run this script inside a new network namespace; afterwards make sure nothing of it is left."""
-    with tempfile.NamedTemporaryFile(prefix="bench-network-ns-") as namespace_file:
-        command = ["unshare", "--net", "--", sys.executable, __file__, *sys.argv[1:], "--inside-namespace"]
-        child = subprocess.Popen(command, env={**os.environ, "BENCH_NAMESPACE_FILE": namespace_file.name})
-        try:
-            returncode = child.wait()
-        finally:
-            if child.poll() is None:
-                child.terminate()
-                child.wait()
-            text = Path(namespace_file.name).read_text().strip()
-            if text:
-                left = processes_in_namespace(int(text))
-                for pid in left:
-                    os.kill(pid, signal.SIGKILL)
-                print(f"clean-up: {len(left)} process(es) were left in the benchmark's namespace" if left
-                      else "clean-up: no process left in the benchmark's namespace (it is gone, with its qdisc)",
-                      file=sys.stderr)  # fmt: skip
-    return returncode
-
-
-# ----------------------------------------------------------------------------- inside: the link and the runs
-
-
-def command(*args):
-    subprocess.run(args, check=True, capture_output=True, text=True)
-
-
-def set_link(rate):
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # absent the first time
-    if rate is not None:
-        # A bucket of about a millisecond at the rate (at least two frames) keeps bursts short; the queue
-        # holds 100 ms, so TCP sees a slow link, not drops.
-        burst = max(int(rate * 1e6 / 8 / 1000), 2 * LINK_MTU + 100)
-        command("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate:g}mbit", "burst", str(burst), "latency", "100ms")
+# ----------------------------------------------------------------------------- inside the namespace: the runs
 
 
 def subset_of(data_dir, destination, source_size, test_size):
     """The first files of each class of an image-folder tree, linked into a new tree."""
     if not data.is_image_folder_tree(data_dir):
-        raise cli.LabError(f"--data-dir {data_dir} is not an image-folder tree (train/<class>/, test/<class>/); pass one")
+        raise cli.LabError(
+            f"--data-dir {data_dir} is not an image-folder tree (train/<class>/, test/<class>/); pass one"
+        )
     for split, size in (("train", source_size), ("test", test_size)):
         for name in CLASSES:
             files = sorted((data_dir / split / name).iterdir())[: size // len(CLASSES)]
             if len(files) < size // len(CLASSES):
-                raise cli.LabError(f"{data_dir / split / name} has {len(files)} images; the benchmark needs {size // len(CLASSES)}")
+                raise cli.LabError(
+                    f"{data_dir / split / name} has {len(files)} images; the benchmark needs {size // len(CLASSES)}"
+                )
             (destination / split / name).mkdir(parents=True)
             for file in files:
                 (destination / split / name / file.name).symlink_to(file.resolve())
@@ -190,7 +134,9 @@ class Nodes:
             for node, launcher in enumerate(self.launchers):
                 _, stderr = launcher.communicate(timeout=RUN_TIMEOUT)
                 if launcher.returncode != 0:
-                    raise cli.LabError(f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}")
+                    raise cli.LabError(
+                        f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}"
+                    )
         finally:
             self.stop()
 
@@ -206,7 +152,9 @@ def mean_run(samples):
     """One mode at one rate: the mean times of its runs, whose counts must agree."""
     counts = {(run["gradient_syncs"], run["optimizer_steps"]) for run in samples}
     if len(counts) != 1:
-        raise cli.LabError(f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here")
+        raise cli.LabError(
+            f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here"
+        )
     return {
         "epoch_seconds": sum(run["epoch_seconds"] for run in samples) / len(samples),
         "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
@@ -229,10 +177,14 @@ def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
         subset_of(data_dir, data, source_size, test_size)
     rows = []
     for rate in rates:
-        set_link(rate)
+        netns.set_link(rate)
         samples = {mode: [] for mode in experiment.MODES}
         # every, no_sync, no_sync, every, ...: a drift of the machine's speed during the pairs cancels out.
-        order = [mode for repeat in range(repeats) for mode in (experiment.MODES if repeat % 2 == 0 else experiment.MODES[::-1])]
+        order = [
+            mode
+            for repeat in range(repeats)
+            for mode in (experiment.MODES if repeat % 2 == 0 else experiment.MODES[::-1])
+        ]
         for index, mode in enumerate(order):
             output = workspace / "runs" / f"{rate or 0:g}" / f"{mode}-{index}"
             started = time.monotonic()
@@ -258,7 +210,9 @@ def analyse(rows, accum):
     table = []
     for row in rows:
         every, no_sync = row["runs"]["every"], row["runs"]["no_sync"]
-        sync_seconds = (every["comm_seconds"] + no_sync["comm_seconds"]) / (every["gradient_syncs"] + no_sync["gradient_syncs"])
+        sync_seconds = (every["comm_seconds"] + no_sync["comm_seconds"]) / (
+            every["gradient_syncs"] + no_sync["gradient_syncs"]
+        )
         step = {mode: run["epoch_seconds"] / run["optimizer_steps"] for mode, run in row["runs"].items()}
         measured = step["every"] / step["no_sync"]
         predicted = predicted_speedup(compute, sync_seconds, accum)
@@ -295,7 +249,9 @@ def link_fit(table):
 
 def print_table(compute, table, accum):
     print(f"c = {compute * 1e3:.1f} ms compute per micro-batch (unlimited run), A = {accum}")
-    print("| link | every s/step | no_sync s/step | s per sync (ms) | syncs every/no_sync | measured speedup | predicted A(c+s)/(Ac+s) | error |")
+    print(
+        "| link | every s/step | no_sync s/step | s per sync (ms) | syncs every/no_sync | measured speedup | predicted A(c+s)/(Ac+s) | error |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in table:
         syncs = row["gradient_syncs"]
@@ -308,11 +264,17 @@ def print_table(compute, table, accum):
 
 def print_model_table(table, compute, accum):
     """The model alone, by s/c: when no_sync pays, beside where the measured rates fall."""
-    print(f"predicted speedup A(1+r)/(A+r) by r = s/c (A = {accum}); measured rates: "
-          + ", ".join(f"{rate_label(row['rate_mbit'])} r = {row['seconds_per_sync'] / compute:.2f}" for row in table))
+    print(
+        f"predicted speedup A(1+r)/(A+r) by r = s/c (A = {accum}); measured rates: "
+        + ", ".join(f"{rate_label(row['rate_mbit'])} r = {row['seconds_per_sync'] / compute:.2f}" for row in table)
+    )
     print("| s/c | " + " | ".join(f"{ratio:g}" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
     print("|---|" + "---:|" * len(SYNC_TO_COMPUTE_RATIOS))
-    print("| predicted | " + " | ".join(f"{predicted_speedup(1, ratio, accum):.2f}x" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
+    print(
+        "| predicted | "
+        + " | ".join(f"{predicted_speedup(1, ratio, accum):.2f}x" for ratio in SYNC_TO_COMPUTE_RATIOS)
+        + " |"
+    )
 
 
 def draw(compute, table, fit, accum):
@@ -324,7 +286,12 @@ def draw(compute, table, fit, accum):
         return no_limit_x if rate is None else math.log10(rate)
 
     points = [
-        {"label": rate_label(row["rate_mbit"]), "x": position(row["rate_mbit"]), "speedup": row["measured_speedup"], "predicted": row["predicted_speedup"]}
+        {
+            "label": rate_label(row["rate_mbit"]),
+            "x": position(row["rate_mbit"]),
+            "speedup": row["measured_speedup"],
+            "predicted": row["predicted_speedup"],
+        }
         for row in table
     ]
     curve = []
@@ -337,21 +304,28 @@ def draw(compute, table, fit, accum):
         f"c = {compute * 1e3:.0f} ms per micro-batch; s = {s_unlimited * 1e3:.0f} ms + "
         f"{(bits_per_sync or 0) / 1e6:.1f} Mbit / R per synchronized micro-batch (fitted); half-duplex tbf link"
     )
-    return pictures.speedup_image("no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption)
+    return pictures.speedup_image(
+        "no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption
+    )
 
 
 def machine():
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def inside(args):
-    Path(os.environ["BENCH_NAMESPACE_FILE"]).write_text(str(os.stat("/proc/self/ns/net").st_ino))
-    command("ip", "link", "set", "lo", "mtu", str(LINK_MTU), "up")
+    netns.bring_up_loopback()
     nodes = Nodes()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a plain kill too
     try:
         with tempfile.TemporaryDirectory(prefix="bench-network-") as workspace:
-            rows, setup = measure(args.rates, args.steps, args.repeats, args.data_dir, args.precision, Path(workspace), nodes)
+            rows, setup = measure(
+                args.rates, args.steps, args.repeats, args.data_dir, args.precision, Path(workspace), nodes
+            )
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
@@ -365,7 +339,7 @@ def inside(args):
     result = {
         "machine": machine(),
         "torch": torch.__version__,
-        "link": f"tbf on a network namespace's loopback (MTU {LINK_MTU}), both directions through one queue",
+        "link": f"tbf on a network namespace's loopback (MTU {netns.LINK_MTU}), both directions through one queue",
         "setup": {**setup, "steps": args.steps, "repeats": args.repeats, "data": str(args.data_dir) if args.data_dir else "synthetic",
                   "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
         "compute_seconds_per_micro_batch": compute,
@@ -386,8 +360,8 @@ def main():
         if args.inside_namespace:
             inside(args)
             return 0
-        check_prerequisites()
-        return run_in_namespace()
+        netns.check_prerequisites()
+        return netns.run_in_namespace(Path(__file__).resolve(), [*sys.argv[1:], "--inside-namespace"])
     except cli.LabError as error:
         cli.exit_with(error, SCRIPT)
     except KeyboardInterrupt:

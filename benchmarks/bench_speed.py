@@ -17,6 +17,7 @@ Efficiency = floor / measured. The table is printed and written with everything 
 artifacts/bench/speed.json. The image-folder decode cache is built first (timed), so neither loader's run
 pays for it.
 """
+
 import argparse
 import json
 import math
@@ -123,7 +124,9 @@ def worker(args):
 
     def document_loop():
         """The document's no_sync loop on plain DDP: nothing counted, traced or compared across ranks."""
-        ddp_model = DDP(fresh_model(), device_ids=device_ids(device), bucket_cap_mb=experiment.BUCKET_CAP_MB, process_group=group)
+        ddp_model = DDP(
+            fresh_model(), device_ids=device_ids(device), bucket_cap_mb=experiment.BUCKET_CAP_MB, process_group=group
+        )
         ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
 
         def body():
@@ -142,9 +145,16 @@ def worker(args):
         """train.train_epoch on the audited DDP: counts, positions and the ranks' fingerprints at every step."""
         ddp_model, _ = train.wrap_model(fresh_model(), device, place.world_size, group)
         ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
-        return lambda: train.train_epoch(ddp_model, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress)
+        return lambda: train.train_epoch(
+            ddp_model, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress
+        )
 
-    bodies = {"train": train_windows, "evaluate": evaluate_batches, "document loop": document_loop(), "lab loop": lab_loop()}
+    bodies = {
+        "train": train_windows,
+        "evaluate": evaluate_batches,
+        "document loop": document_loop(),
+        "lab loop": lab_loop(),
+    }
     for body in bodies.values():  # warm-up: first-call allocations and kernel choices
         body()
     samples = {name: [] for name in bodies}
@@ -156,7 +166,9 @@ def worker(args):
     if place.rank == 0:
         # Per variant, the median over repeats of the slowest rank (the lab waits for its slowest rank).
         medians = {
-            name: statistics.median(max(rank_samples[name][repeat] for rank_samples in gathered) for repeat in range(args.repeats))
+            name: statistics.median(
+                max(rank_samples[name][repeat] for rank_samples in gathered) for repeat in range(args.repeats)
+            )
             for name in bodies
         }
         print(
@@ -191,7 +203,9 @@ def torchrun(nproc, *script_args, env=None):
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
         reason = [line for line in lines if ": error:" in line] or lines[-15:]  # the script's own line first
-        raise cli.LabError(f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}): {' '.join(reason)}")
+        raise cli.LabError(
+            f"{' '.join(map(str, script_args[:3]))} failed (exit {result.returncode}): {' '.join(reason)}"
+        )
     return result, seconds
 
 
@@ -232,7 +246,9 @@ def table_rows(floor, runs):
         rows.append((f"training, no_sync, {loader} loader", run["train_seconds_per_micro_batch"], floor["train"]))
     for loader, run in runs.items():
         rows.append((f"validation, {loader} loader", run["validation_seconds_per_batch"], floor["evaluate"]))
-    rows.append(("lab loop with its audit, no_sync (vs the document's loop)", floor["lab loop"], floor["document loop"]))
+    rows.append(
+        ("lab loop with its audit, no_sync (vs the document's loop)", floor["lab loop"], floor["document loop"])
+    )
     return rows
 
 
@@ -245,14 +261,22 @@ def print_table(rows, runs, cache_seconds):
     print("| loader | whole process s (1 epoch, evaluation included) | training s | img/s (all ranks) |")
     print("|---|---:|---:|---:|")
     for loader, run in runs.items():
-        print(f"| {loader} | {run['process_seconds']:.1f} | {run['epoch_seconds']:.1f} | {run['train_images_per_second']:.0f} |")
+        print(
+            f"| {loader} | {run['process_seconds']:.1f} | {run['epoch_seconds']:.1f} | {run['train_images_per_second']:.0f} |"
+        )
     if cache_seconds is not None:
         print(f"\nimage folders decoded into the cache once, before the runs: {cache_seconds:.1f} s")
 
 
 def machine(device):
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
-    return {"device": device, "name": name, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "device": device,
+        "name": name,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def main():
@@ -288,7 +312,9 @@ def main():
         "machine": machine(device),
         "precision": measured["precision"],
         "precision_reason": measured["precision_reason"],
-        "settings": {name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings},
+        "settings": {
+            name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings
+        },
         "floor_seconds_per_micro_batch": floor,
         "lab_runs": runs,
         "decode_cache_seconds": cache_seconds,

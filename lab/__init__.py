@@ -10,6 +10,7 @@ per concern; docs/architecture.md draws what flows between them.
     audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
     launch       where a process runs, and every rank's agreement on options, device, precision and data
     witness      the profiler as the audit's second witness, and its check
+    checks       the facts verify.py checks, one function per artifact or fact
     tables       what verify.py prints and draws once every check has held
 
 A module imports only modules listed above it (and model.py, which imports nothing of the lab);

@@ -3,6 +3,7 @@
 saved-activation count and the epoch's trace of where syncs and steps happened. The counting hook itself is in
 train.py, where the lesson is.
 """
+
 import threading
 import time
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lab.cli import LabError
 from lab.experiment import BUCKET_CAP_MB, COUNTS, REBUILD_BROADCASTS
+
 
 def read_clock(device):
     """The wall clock once the device has finished the work queued so far (on GPU the host runs ahead)."""
@@ -156,7 +158,9 @@ def check_ddp_settings(ddp_model):
     actual = {name: getattr(ddp_model, name) for name in DDP_SETTINGS}
     actual["gradient comm hooks"] = [hook.__name__ for hook, _ in ddp_model._comm_hooks]
     actual["buffer comm hook"] = hasattr(ddp_model, "buffer_hook")
-    changed = [f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value]
+    changed = [
+        f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value
+    ]
     if changed:
         raise LabError(
             f"DDP is wrapped with settings the audit's expected counts do not assume: {'; '.join(changed)}; "
@@ -209,7 +213,9 @@ class EpochTrace:
         if first is None:
             return len(verdicts), None
         gradients_agreed, parameters_agreed = verdicts[first - 1]
-        what = [name for name, agreed in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not agreed]
+        what = [
+            name for name, agreed in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not agreed
+        ]
         return sum(map(all, verdicts)), {"optimizer_step": first, "differed": what}
 
 
@@ -227,10 +233,22 @@ def explain_ddp_error(error):
     for marker, what in DDP_GRADIENT_ERRORS.items():
         if marker in str(error):
             return LabError(
-                f"{what} (\"{marker}\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., "
+                f'{what} ("{marker}"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., '
                 f"use_reentrant=False), as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing "
                 f"gives no gradient to a stage whose input needs none and, with find_unused_parameters=True, marks "
                 f"its parameters ready twice",
                 kind="RuntimeError",
             )
     return None
+
+
+@contextmanager
+def ddp_errors_explained():
+    """DDP's gradient errors raised inside become explain_ddp_error's one line; any other error stays as it is."""
+    try:
+        yield
+    except RuntimeError as error:
+        explained = explain_ddp_error(error)
+        if explained is None:
+            raise
+        raise explained from None

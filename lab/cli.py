@@ -1,6 +1,7 @@
 """Errors and command-line helpers shared by the scripts: one line that names the input and the remedy, no
 traceback; argparse with such lines; progress on stderr.
 """
+
 import argparse
 import os
 import sys

@@ -9,6 +9,7 @@ Both take the same seeded split and the same DistributedSampler order; with augm
 identical batches (tests/test_loaders.py). An image-folder tree is decoded once into a cache file beside it
 (DECODED_CACHE), keyed by the files' names, sizes and times, and rebuilt when they change.
 """
+
 import hashlib
 import io
 import math

@@ -2,6 +2,7 @@
 train.py executes and verify.py counts, and the arithmetic from a configuration to the exact communication of
 each epoch. Each fact lives here once; train.py's defaults and verify.py's strict audit both come from here.
 """
+
 import math
 from dataclasses import dataclass
 

@@ -5,6 +5,7 @@ node that differs or cannot go on stops every node at once with one line naming 
 start_up() is train.py's whole set-up in one call: options agreed, device and precision chosen, output
 checked, data prepared and loaded on each node, the seeded split and this rank's loaders.
 """
+
 import os
 import random
 import socket
@@ -161,8 +162,18 @@ def shared_settings(args):
     return {
         f"--{name.replace('_', '-')}": getattr(args, name)
         for name in (
-            "mode", "epochs", "batch_size", "accum_steps", "seed", "expected_world_size", "partial_window", "device", "loader",
-            "precision", "activation_checkpointing", "profile_windows",
+            "mode",
+            "epochs",
+            "batch_size",
+            "accum_steps",
+            "seed",
+            "expected_world_size",
+            "partial_window",
+            "device",
+            "loader",
+            "precision",
+            "activation_checkpointing",
+            "profile_windows",
         )
     }
 
@@ -197,9 +208,15 @@ def start_up(args, place):
         dist.broadcast_object_list(writer, src=0)
         if place.local_rank == 0:
             host, output = writer[0]
-            print(f"{SCRIPT}: node {place.node} of {place.nodes}; rank 0 writes the artifacts on {host} into {output}", file=sys.stderr)
+            print(
+                f"{SCRIPT}: node {place.node} of {place.nodes}; rank 0 writes the artifacts on {host} into {output}",
+                file=sys.stderr,
+            )
     require_same(
-        place, shared_settings(args), "its train.py options differ", "start train.py with the same options on every node"
+        place,
+        shared_settings(args),
+        "its train.py options differ",
+        "start train.py with the same options on every node",
     )
     require_same(
         place,

@@ -3,6 +3,7 @@
 Each function returns (image, data): `data` holds the plotted numbers and where they were drawn, in pixels.
 It is stored in the PNG as a text chunk, so a test can check that the picture shows the JSON's numbers.
 """
+
 import math
 
 from PIL import Image, ImageDraw, ImageFont
@@ -133,8 +134,12 @@ def dashed_line(draw, start, end, fill, width, dash=7):
     for piece in range(0, pieces, 2):
         a, b = piece / pieces, min((piece + 1) / pieces, 1)
         draw.line(
-            (start[0] + (end[0] - start[0]) * a, start[1] + (end[1] - start[1]) * a,
-             start[0] + (end[0] - start[0]) * b, start[1] + (end[1] - start[1]) * b),
+            (
+                start[0] + (end[0] - start[0]) * a,
+                start[1] + (end[1] - start[1]) * a,
+                start[0] + (end[0] - start[0]) * b,
+                start[1] + (end[1] - start[1]) * b,
+            ),
             fill=fill,
             width=width,
         )
@@ -187,7 +192,15 @@ def line_panels(title, panels):
     for panel, box in zip(panels, boxes):
         values = [value for series in panel["series"] for value in series["values"]]
         epochs = max(len(series["values"]) for series in panel["series"])
-        axes = Axes(image, box, (0.5, epochs + 0.5), nice_ticks(min(values), max(values)), panel["title"], "epoch", panel["y_label"])
+        axes = Axes(
+            image,
+            box,
+            (0.5, epochs + 0.5),
+            nice_ticks(min(values), max(values)),
+            panel["title"],
+            "epoch",
+            panel["y_label"],
+        )
         drawn = []
         for series in panel["series"]:
             colour, radius = MODE_COLOURS[series["mode"]], MARKER_RADII[series["mode"]]
@@ -197,10 +210,20 @@ def line_panels(title, panels):
             for x, y in points:
                 draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=colour)
             drawn.append(
-                {"label": series["label"], "colour": list(colour), "radius": radius, "values": series["values"], "points": points}
+                {
+                    "label": series["label"],
+                    "colour": list(colour),
+                    "radius": radius,
+                    "values": series["values"],
+                    "points": points,
+                }
             )
         data.append({"title": panel["title"], "series": drawn})
-    legend(draw, (boxes[0][0], height - 26), [(s["label"], MODE_COLOURS[s["mode"]], s["dashed"]) for s in panels[0]["series"]])
+    legend(
+        draw,
+        (boxes[0][0], height - 26),
+        [(s["label"], MODE_COLOURS[s["mode"]], s["dashed"]) for s in panels[0]["series"]],
+    )
     return image, {"panels": data}
 
 
@@ -217,7 +240,9 @@ def bar_panels(title, panels, columns=2):
         modes = list(panel["bars"])
         epochs = max(len(values) for values in panel["bars"].values())
         top_value = max(max(values) for values in panel["bars"].values())
-        axes = Axes(image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"], "epoch", panel["y_label"])
+        axes = Axes(
+            image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"], "epoch", panel["y_label"]
+        )
         bar_width = (axes.x(1) - axes.x(0)) * 0.8 / len(modes)
         drawn = {}
         for index, mode in enumerate(modes):
@@ -265,7 +290,11 @@ def speedup_image(title, points, curve, ceiling, caption):
     legend(
         draw,
         (box[0], height - 50),
-        [("measured", measured, False), ("predicted A(c+s)/(Ac+s)", predicted, False), (f"ceiling A = {ceiling}", GRID_DARK, True)],
+        [
+            ("measured", measured, False),
+            ("predicted A(c+s)/(Ac+s)", predicted, False),
+            (f"ceiling A = {ceiling}", GRID_DARK, True),
+        ],
     )
     draw.text((box[0], height - 22), caption, font=font(13), fill=INK, anchor="lm")
     return image, {"points": drawn, "curve": [list(pixel) for pixel in curve_pixels]}
@@ -324,17 +353,26 @@ def timeline_image(title, panels, caption):
                 collectives.append({"kind": kind, "box": box})
             counts = {kind: sum(c["kind"] == kind for c in collectives) for kind in COLLECTIVE_COLOURS}
             summary = f"{counts['gradient all-reduce']} gradient all-reduce(s)"
-            draw.text((right + 12, compute_row[1]), summary, font=label_font, fill=COLLECTIVE_COLOURS["gradient all-reduce"], anchor="lm")
+            draw.text(
+                (right + 12, compute_row[1]),
+                summary,
+                font=label_font,
+                fill=COLLECTIVE_COLOURS["gradient all-reduce"],
+                anchor="lm",
+            )
             others = f"{counts['rank-agreement all-reduce']} rank agreement, {counts['broadcast']} broadcast(s)"
             draw.text((right + 12, collective_row[1] + 2), others, font=small, fill=INK, anchor="lm")
             lanes.append({"label": lane["label"], "compute": compute, "collectives": collectives, "counts": counts})
         data.append({"title": panel["title"], "lanes": lanes})
         top += panel_height
-    centred_text(draw, ((left + right) / 2, top + 6), "milliseconds from the window's start (each rank's own clock)", font(13))
+    centred_text(
+        draw, ((left + right) / 2, top + 6), "milliseconds from the window's start (each rank's own clock)", font(13)
+    )
     legend(
         draw,
         (left - 40, height - 44),
-        [("micro-batch: forward, backward, step", COMPUTE_SHADES[0], None)] + [(kind, colour, None) for kind, colour in COLLECTIVE_COLOURS.items()],
+        [("micro-batch: forward, backward, step", COMPUTE_SHADES[0], None)]
+        + [(kind, colour, None) for kind, colour in COLLECTIVE_COLOURS.items()],
     )
     draw.text((left - 40, height - 16), caption, font=small, fill=INK, anchor="lm")
     return image, {"panels": data, "origin_x": left, "seconds_per_pixel": 1 / scale}

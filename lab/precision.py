@@ -11,6 +11,7 @@ The decision reads torch's own capability report, never a list of CPU names. LAB
 `auto` decide as on a CPU with or without BF16 instructions (the tests use it to take both paths on one
 machine). The gradients are float32 either way, so the audit's counts, bytes and positions do not depend on it.
 """
+
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -73,7 +74,9 @@ def choose_precision(requested, device):
     chosen = requested if requested != "auto" else ("bf16" if decided_native else "fp32")
     numerics = "BF16 autocast" if chosen == "bf16" else "float32"
     if requested != "auto":
-        emulated = " (emulated: about 13x slower than float32 on such a device)" if chosen == "bf16" and not native else ""
+        emulated = (
+            " (emulated: about 13x slower than float32 on such a device)" if chosen == "bf16" and not native else ""
+        )
         reason = f"--precision {chosen} on a {hardware}: {numerics}{emulated}"
     elif override is not None:
         reason = (

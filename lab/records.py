@@ -1,6 +1,7 @@
 """The records of a run: the artifact names, the run folder written all or nothing (atomic writes, checksums,
 run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py.
 """
+
 import hashlib
 import io
 import json
@@ -186,7 +187,9 @@ def run_config(args, place, setup):
     }
 
 
-def epoch_row(epoch, mode, trace, train_totals, validation, before, after, phase_seconds, peak_bytes, run_id, device, group):
+def epoch_row(
+    epoch, mode, trace, train_totals, validation, before, after, phase_seconds, peak_bytes, run_id, device, group
+):
     """The epoch's JSON line: the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
@@ -276,7 +279,10 @@ def top_confusions(matrix, limit=5):
         if true != predicted and count > 0
     ]
     pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
-    return [{"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count} for count, true, predicted in pairs[:limit]]
+    return [
+        {"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count}
+        for count, true, predicted in pairs[:limit]
+    ]
 
 
 # ----------------------------------------------------------------------------- reading the records back (verify.py)
@@ -303,7 +309,9 @@ def read_json(path):
     try:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AuditError(f"{path}: not valid JSON ({error}); the file is damaged or truncated: rerun train.py") from None
+        raise AuditError(
+            f"{path}: not valid JSON ({error}); the file is damaged or truncated: rerun train.py"
+        ) from None
 
 
 def is_int(value):
@@ -325,7 +333,9 @@ def describe_unfinished(folder):
     for partial in unfinished_runs(folder):
         run_id = partial.name.rsplit(".partial-", 1)[-1]
         if (partial / RUN_RECORD_FILE).is_file():
-            notes.append(f"run {run_id} finished but was interrupted while being moved into place; it lies complete in {partial}")
+            notes.append(
+                f"run {run_id} finished but was interrupted while being moved into place; it lies complete in {partial}"
+            )
         else:
             notes.append(f"an unfinished run {run_id} was left in {partial} (interrupted before it finished)")
     for replaced in replaced_runs(folder):

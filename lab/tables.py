@@ -2,6 +2,7 @@
 memory tables, the profiler's witness beside the audit, and the pictures (curves, communication, timeline)
 next to the run folders.
 """
+
 import json
 
 from lab import pictures
@@ -128,14 +129,18 @@ def draw_timeline(artifacts, runs, records, text):
     unprofiled = [mode for mode, (_, _, profile) in runs.items() if profile is None]
     if unprofiled:
         if len(unprofiled) < len(runs):
-            print(f"note: {TIMELINE_FILE} needs both runs profiled (train.py --profile-windows K); {', '.join(unprofiled)} was not")
+            print(
+                f"note: {TIMELINE_FILE} needs both runs profiled (train.py --profile-windows K); {', '.join(unprofiled)} was not"
+            )
         path.unlink(missing_ok=True)  # a timeline of earlier runs would not show these
         return None
     accum_steps = records["every"]["config"]["accum_steps"]
     panels = []
     for mode, (_, _, profile) in runs.items():
         first = profile["micro_batches"][0]
-        title = f"{mode}: window {first // accum_steps + 1} of epoch 1 (micro-batches {first}-{first + accum_steps - 1})"
+        title = (
+            f"{mode}: window {first // accum_steps + 1} of epoch 1 (micro-batches {first}-{first + accum_steps - 1})"
+        )
         panels.append({"title": title, "lanes": first_window(profile, accum_steps)})
     caption = (
         f"The PyTorch profiler's record (train.py --profile-windows): one accumulation window of {accum_steps} "
@@ -151,7 +156,12 @@ def draw_pictures(artifacts, runs, records):
     curves = []
     for metric, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
         series = [
-            {"label": f"{mode} {split}", "mode": mode, "dashed": split == "validation", "values": [row[f"{split}_{metric}"] for row in history]}
+            {
+                "label": f"{mode} {split}",
+                "mode": mode,
+                "dashed": split == "validation",
+                "values": [row[f"{split}_{metric}"] for row in history],
+            }
             for mode, (history, _, _) in runs.items()
             for split in ("train", "validation")
         ]
@@ -166,7 +176,11 @@ def draw_pictures(artifacts, runs, records):
         ("comm_seconds", "time in collectives per epoch", "seconds (mean over ranks)", 1),
     ]
     bars = [
-        {"title": title, "y_label": unit, "bars": {mode: [row[key] / scale for row in history] for mode, (history, _, _) in runs.items()}}
+        {
+            "title": title,
+            "y_label": unit,
+            "bars": {mode: [row[key] / scale for row in history] for mode, (history, _, _) in runs.items()},
+        }
         for key, title, unit, scale in panels
     ]
     image, data = pictures.bar_panels("Communication: every vs no_sync", bars)

@@ -2,6 +2,7 @@
 windows of epoch 1, every rank's summary of the c10d calls and their executions beside the audit's own counts
 for the same micro-batches, and verify.py's check that the two witnesses agree.
 """
+
 import tempfile
 from pathlib import Path
 
@@ -12,7 +13,17 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from lab.audit import read_clock, settle_comm_hooks
 from lab.cli import LabError
 from lab.experiment import COLLECTIVE_KINDS, COUNTS, from_progressions
-from lab.records import PROFILE_FILE, PROFILE_TRACE_FILE, RUN_RECORD_FILE, check, is_int, is_number, json_bytes, read_json
+from lab.records import (
+    PROFILE_FILE,
+    PROFILE_TRACE_FILE,
+    RUN_RECORD_FILE,
+    check,
+    is_int,
+    is_number,
+    json_bytes,
+    read_json,
+)
+
 
 class WindowProfiler:
     """--profile-windows K: the PyTorch profiler over K accumulation windows of epoch 1.
@@ -28,7 +39,9 @@ class WindowProfiler:
         self.first, self.stop = 2 * accum_steps, (2 + windows) * accum_steps
         if self.stop > plan_length:
             most = plan_length // accum_steps - 2
-            remedy = f"pass --profile-windows {most} or less" if most > 0 else "use more data or a smaller --accum-steps"
+            remedy = (
+                f"pass --profile-windows {most} or less" if most > 0 else "use more data or a smaller --accum-steps"
+            )
             raise LabError(
                 f"--profile-windows {windows} needs {2 + windows} windows of {accum_steps} micro-batches in an epoch "
                 f"(one skipped, one of warm-up, {windows} profiled); an epoch here has {plan_length} micro-batches: "
@@ -119,7 +132,10 @@ MICRO_BATCH_LABEL = "micro-batch "
 RANK_AGREEMENT_LABEL = "rank agreement"
 # Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
 # (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
-COLLECTIVE_EVENTS = {"c10d::allreduce_": ("gloo:all_reduce", "AllReduce"), "c10d::broadcast_": ("gloo:broadcast", "Broadcast")}
+COLLECTIVE_EVENTS = {
+    "c10d::allreduce_": ("gloo:all_reduce", "AllReduce"),
+    "c10d::broadcast_": ("gloo:broadcast", "Broadcast"),
+}
 
 
 def event_start(event):
@@ -157,11 +173,16 @@ def check_profile(folder, record, history):
     windows = profile.get("windows") if isinstance(profile, dict) else None
     check(is_int(windows) and windows > 0, path, f"windows must be a positive whole number, got {windows!r}")
     span = [2 * accum_steps, (2 + windows) * accum_steps]
-    check(profile.get("micro_batches") == span, path, f"micro_batches must be {span} for {windows} windows of {accum_steps}")
+    check(
+        profile.get("micro_batches") == span,
+        path,
+        f"micro_batches must be {span} for {windows} windows of {accum_steps}",
+    )
     ranks = profile.get("ranks")
     check(
         isinstance(ranks, list)
-        and [summary.get("rank") if isinstance(summary, dict) else None for summary in ranks] == list(range(config["world_size"])),
+        and [summary.get("rank") if isinstance(summary, dict) else None for summary in ranks]
+        == list(range(config["world_size"])),
         path,
         f"expected one summary per rank, ranks 0 to {config['world_size'] - 1}",
     )
@@ -187,7 +208,10 @@ def check_profile(folder, record, history):
             f"positions put {syncs} there",
         )
         expected = {
-            "c10d::allreduce_": (audit["sync_bucket_calls"] + steps, f"{audit['sync_bucket_calls']} hook calls + {steps} rank-agreement all-reduces"),
+            "c10d::allreduce_": (
+                audit["sync_bucket_calls"] + steps,
+                f"{audit['sync_bucket_calls']} hook calls + {steps} rank-agreement all-reduces",
+            ),
             "c10d::broadcast_": (
                 audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
                 f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} bucket-rebuild collectives",
@@ -214,18 +238,33 @@ PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
 
 def check_profile_spans(path, rank, summary):
     """What the witness table and the timeline read: times as numbers, spans as [label, start, end]."""
-    seconds, micro_batches, collectives = (summary.get(key) for key in ("collective_seconds", "micro_batches", "collectives"))
+    seconds, micro_batches, collectives = (
+        summary.get(key) for key in ("collective_seconds", "micro_batches", "collectives")
+    )
     check(
-        isinstance(seconds, dict) and all(is_number(seconds.get(kind)) for kind in COLLECTIVE_KINDS)
-        and is_number(summary.get("compute_seconds_per_micro_batch")) and is_number(summary["audit"].get("comm_seconds")),
+        isinstance(seconds, dict)
+        and all(is_number(seconds.get(kind)) for kind in COLLECTIVE_KINDS)
+        and is_number(summary.get("compute_seconds_per_micro_batch"))
+        and is_number(summary["audit"].get("comm_seconds")),
         path,
         f"rank {rank}: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers",
     )
     check(
-        isinstance(micro_batches, list) and micro_batches
-        and all(isinstance(span, list) and len(span) == 3 and is_int(span[0]) and is_number(span[1]) and is_number(span[2]) for span in micro_batches)
+        isinstance(micro_batches, list)
+        and micro_batches
+        and all(
+            isinstance(span, list) and len(span) == 3 and is_int(span[0]) and is_number(span[1]) and is_number(span[2])
+            for span in micro_batches
+        )
         and isinstance(collectives, list)
-        and all(isinstance(span, list) and len(span) == 3 and span[0] in COLLECTIVE_KINDS and is_number(span[1]) and is_number(span[2]) for span in collectives),
+        and all(
+            isinstance(span, list)
+            and len(span) == 3
+            and span[0] in COLLECTIVE_KINDS
+            and is_number(span[1])
+            and is_number(span[2])
+            for span in collectives
+        ),
         path,
         f"rank {rank}: micro_batches must be [index, start, end] and collectives [kind, start, end] spans",
     )

@@ -6,6 +6,7 @@ tests that only read artifacts share it (tests that change artifacts work on cop
 which most tests run many times, run in this process (run_in_process: the same code as `python verify.py`,
 without 3 s of starting an interpreter and importing torch each time); a few tests run them as processes too.
 """
+
 import contextlib
 import hashlib
 import io
@@ -26,7 +27,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import synthetic_data
+from tools import synthetic_data  # noqa: E402
 
 INJECT = Path(__file__).resolve().parent / "inject"
 WORKERS = Path(__file__).resolve().parent / "workers"

@@ -1,9 +1,9 @@
 """The house's rules, read from the source: the lab's modules in layers (lab/__init__.py lists them, each
 importing only those above it in the list, and model.py, which imports nothing of the lab), the scripts on top,
 no import cycle, and no module over about 400 lines."""
+
 import ast
 import re
-from pathlib import Path
 
 from conftest import REPO
 
@@ -57,7 +57,12 @@ def test_no_script_is_imported_by_another_script_except_model():
 
 
 def test_no_module_is_much_over_400_lines():
-    sources = [*LAB.glob("*.py"), *map(REPO.joinpath, SCRIPTS), *(REPO / "tools").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    sources = [
+        *LAB.glob("*.py"),
+        *map(REPO.joinpath, SCRIPTS),
+        *(REPO / "tools").glob("*.py"),
+        *(REPO / "benchmarks").glob("*.py"),
+    ]
     lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in sources}
     assert {name: length for name, length in lengths.items() if length > 420} == {}
     assert lengths["train.py"] <= 360

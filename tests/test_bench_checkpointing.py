@@ -1,14 +1,15 @@
 """benchmarks/bench_checkpointing.py on two small micro-batches: each size measured both ways, the held
 activations counted as train.py counts them, the table and the JSON written."""
+
 import json
 
 import torch
 from torch import nn
 
 from conftest import assert_one_line_error, run_python
-from model import MEMORY_FORMAT, CifarCNN
 from lab import audit
 from lab.precision import choose_precision
+from model import MEMORY_FORMAT, CifarCNN
 
 
 def saved_bytes(batch_size, activation_checkpointing):
@@ -23,7 +24,16 @@ def saved_bytes(batch_size, activation_checkpointing):
 def test_each_size_is_measured_both_ways(tmp_path):
     output = tmp_path / "checkpointing.json"
     result = run_python(
-        "benchmarks/bench_checkpointing.py", "--batch-sizes", "4", "8", "--repeats", "2", "--micro-batches", "1", "--output", output
+        "benchmarks/bench_checkpointing.py",
+        "--batch-sizes",
+        "4",
+        "8",
+        "--repeats",
+        "2",
+        "--micro-batches",
+        "1",
+        "--output",
+        output,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(output.read_text())

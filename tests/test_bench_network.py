@@ -1,5 +1,6 @@
 """benchmarks/bench_network.py: its model's arithmetic, its refusals, and one small real run (two torchrun
 nodes in a network namespace of its own, a 50 Mbit/s link) that leaves nothing behind."""
+
 import json
 import os
 import sys
@@ -14,7 +15,12 @@ import bench_network  # noqa: E402
 
 
 def history_row(epoch_seconds, comm_seconds, syncs, steps):
-    return {"epoch_seconds": epoch_seconds, "comm_seconds": comm_seconds, "gradient_syncs": syncs, "optimizer_steps": steps}
+    return {
+        "epoch_seconds": epoch_seconds,
+        "comm_seconds": comm_seconds,
+        "gradient_syncs": syncs,
+        "optimizer_steps": steps,
+    }
 
 
 def test_the_model_predicts_from_compute_and_sync_time():
@@ -36,16 +42,35 @@ def test_the_model_predicts_from_compute_and_sync_time():
 
 @pytest.mark.parametrize(
     "rates, message",
-    [("200,50", "include 'unlimited'"), ("unlimited,fast", "expected 'unlimited' or Mbit/s above 0, got 'fast'"), ("unlimited,-5", "got '-5'")],
+    [
+        ("200,50", "include 'unlimited'"),
+        ("unlimited,fast", "expected 'unlimited' or Mbit/s above 0, got 'fast'"),
+        ("unlimited,-5", "got '-5'"),
+    ],
 )
 def test_bad_rates_get_one_line(rates, message):
-    assert_one_line_error(run_python("benchmarks/bench_network.py", "--rates", rates), "bench_network.py: error: argument --rates:", message)
+    assert_one_line_error(
+        run_python("benchmarks/bench_network.py", "--rates", rates),
+        "bench_network.py: error: argument --rates:",
+        message,
+    )
 
 
 def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     """As root (CI runs as root), one optimizer step per mode at no limit and at 50 Mbit/s; as another
     user, the one-line refusal."""
-    result = run_python("benchmarks/bench_network.py", "--rates", "unlimited,50", "--steps", "1", "--repeats", "1", "--out", tmp_path, timeout=600)
+    result = run_python(
+        "benchmarks/bench_network.py",
+        "--rates",
+        "unlimited,50",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        tmp_path,
+        timeout=600,
+    )
     if os.geteuid() != 0:
         assert_one_line_error(result, "needs root to make a network namespace")
         return
@@ -54,7 +79,10 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     record = json.loads((tmp_path / "network.json").read_text())
     assert [row["rate_mbit"] for row in record["rows"]] == [None, 50]
     for row in record["rows"]:
-        assert row["gradient_syncs"] == {"every": 4, "no_sync": 1} and row["optimizer_steps"] == {"every": 1, "no_sync": 1}
+        assert row["gradient_syncs"] == {"every": 4, "no_sync": 1} and row["optimizer_steps"] == {
+            "every": 1,
+            "no_sync": 1,
+        }
     slow = record["rows"][1]
     # A two-rank all-reduce over the half-duplex link moves both ranks' 2,234,152 bytes of gradients: 35.7 Mbit,
     # 0.71 s at 50 Mbit/s, whatever the compute (the unlimited sync's time depends on it: it includes the wait
@@ -62,4 +90,6 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     assert slow["seconds_per_sync"] > 0.6
     assert slow["measured_speedup"] > 1.3
     assert Path(tmp_path / "network.png").stat().st_size > 0
-    assert not [line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line]  # its workspace
+    assert not [
+        line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line
+    ]  # its workspace

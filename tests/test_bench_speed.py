@@ -1,11 +1,12 @@
 """benchmarks/bench_speed.py on small synthetic data: every part measured, the lab's runs with their exact
 counts, efficiency = floor / measured, the JSON written; and its one-line refusal."""
+
 import json
 
 import pytest
 
-from tools import synthetic_data
 from conftest import assert_one_line_error, run_python
+from tools import synthetic_data
 
 
 @pytest.fixture(scope="module")
@@ -57,4 +58,6 @@ def test_a_missing_data_folder_is_one_line(tmp_path):
     empty = tmp_path / "nothing"
     empty.write_text("a file, not a dataset")
     result = run_python("benchmarks/bench_speed.py", "--data-dir", empty)
-    assert_one_line_error(result, "bench_speed.py: error: --data-dir", "is a file; pass the folder that holds the dataset")
+    assert_one_line_error(
+        result, "bench_speed.py: error: --data-dir", "is a file; pass the folder that holds the dataset"
+    )

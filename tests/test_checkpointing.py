@@ -5,6 +5,7 @@ The model-level tests run CifarCNN in this process with the lab's numerics (the 
 channels_last, deterministic algorithms); the others run the real train.py under torchrun on the shared small
 data.
 """
+
 import copy
 import shutil
 
@@ -14,11 +15,22 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-from lab import audit, experiment
 import model
-from conftest import TIMING, assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, subprocess_env, train as train_run, verify
-from model import MEMORY_FORMAT, CifarCNN
+from conftest import (
+    TIMING,
+    assert_ok,
+    assert_one_line_error,
+    assert_train_error,
+    read_json,
+    subprocess_env,
+    verify,
+)
+from conftest import (
+    train as train_run,
+)
+from lab import audit, experiment
 from lab.precision import choose_precision
+from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, STEPS = 8, 4, 3
 LAB_PRECISION = choose_precision("auto", torch.device("cpu"))
@@ -35,7 +47,10 @@ def deterministic():
 def micro_batches(count, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(BATCH, 3, 32, 32, generator=generator).to(memory_format=MEMORY_FORMAT), torch.randint(0, 10, (BATCH,), generator=generator))
+        (
+            torch.randn(BATCH, 3, 32, 32, generator=generator).to(memory_format=MEMORY_FORMAT),
+            torch.randint(0, 10, (BATCH,), generator=generator),
+        )
         for _ in range(count)
     ]
 
@@ -85,7 +100,7 @@ def test_checkpointed_training_equals_plain_training_bit_for_bit(deterministic):
 def test_the_saved_bytes_are_the_autograd_graphs_saved_tensors():
     """An independent count: walk the graph from the loss and read each node's saved tensors (_saved_*)."""
     network = CifarCNN().to(memory_format=MEMORY_FORMAT)
-    (inputs, targets), = micro_batches(1)
+    ((inputs, targets),) = micro_batches(1)
     with audit.saved_activations(network) as saved:
         with LAB_PRECISION.autocast("cpu"):
             # (undivided: a division by a number saves no tensor, but its graph node shows it as one)
@@ -111,7 +126,7 @@ def test_reentrant_checkpointing_gives_the_stages_no_gradient(monkeypatch):
     """The images need no gradient: a reentrant checkpoint of the first stage returns an output that needs
     none either, so no stage's parameters get a gradient, with only a warning. The lab's non-reentrant
     checkpoint gives every parameter its gradient."""
-    (inputs, targets), = micro_batches(1)
+    ((inputs, targets),) = micro_batches(1)
     network = CifarCNN(activation_checkpointing=True).to(memory_format=MEMORY_FORMAT)
     forward_loss(network, inputs, targets).backward()
     assert all(parameter.grad is not None for parameter in network.parameters())
@@ -119,7 +134,10 @@ def test_reentrant_checkpointing_gives_the_stages_no_gradient(monkeypatch):
     network = CifarCNN(activation_checkpointing=True).to(memory_format=MEMORY_FORMAT)
     with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
         forward_loss(network, inputs, targets).backward()
-    assert [name for name, parameter in network.named_parameters() if parameter.grad is not None] == ["classifier.weight", "classifier.bias"]
+    assert [name for name, parameter in network.named_parameters() if parameter.grad is not None] == [
+        "classifier.weight",
+        "classifier.bias",
+    ]
 
 
 def test_batchnorm_recomputed_as_is_updates_its_statistics_twice(monkeypatch):
@@ -127,7 +145,7 @@ def test_batchnorm_recomputed_as_is_updates_its_statistics_twice(monkeypatch):
     same, the buffers (and so the saved model) are not. model.statistics_kept puts them back."""
     from contextlib import nullcontext
 
-    (inputs, targets), = micro_batches(1)
+    ((inputs, targets),) = micro_batches(1)
     torch.manual_seed(0)
     plain = CifarCNN().to(memory_format=MEMORY_FORMAT)
     checkpointed = copy.deepcopy(plain)
@@ -147,8 +165,10 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
     monkeypatch.setattr(model, "checkpoint", reentrant)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ddp_model = nn.parallel.DistributedDataParallel(CifarCNN(activation_checkpointing=True), find_unused_parameters=True)
-        (inputs, targets), = micro_batches(1)
+        ddp_model = nn.parallel.DistributedDataParallel(
+            CifarCNN(activation_checkpointing=True), find_unused_parameters=True
+        )
+        ((inputs, targets),) = micro_batches(1)
         with pytest.raises(RuntimeError) as caught:
             forward_loss(ddp_model, inputs.requires_grad_(), targets).backward()
     finally:
@@ -156,7 +176,7 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
     explained = audit.explain_ddp_error(caught.value)
     assert explained.line("train.py") == (
         "RuntimeError: DDP saw a parameter's gradient twice in one backward (\"Expected to mark a variable ready "
-        "only once\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
+        'only once"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), '
         "as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing gives no gradient to a stage "
         "whose input needs none and, with find_unused_parameters=True, marks its parameters ready twice"
     )
@@ -181,15 +201,24 @@ def test_checkpointed_runs_pass_the_audit_with_the_plain_runs_counts(checkpointe
     plain_artifacts, _ = lab_runs
     memory = {"saved_activation_bytes", "peak_allocated_bytes"}
     for mode in experiment.MODES:
-        rows, plain_rows = (read_json(folder / mode / "history.json") for folder in (checkpointed_runs, plain_artifacts))
+        rows, plain_rows = (
+            read_json(folder / mode / "history.json") for folder in (checkpointed_runs, plain_artifacts)
+        )
         # Everything but time and memory is the plain run's: counts, positions, losses, accuracies, agreement.
         assert [{k: v for k, v in row.items() if k not in TIMING | memory} for row in rows] == [
             {k: v for k, v in row.items() if k not in TIMING | memory} for row in plain_rows
         ]
-        assert all(2 * row["saved_activation_bytes"] < plain["saved_activation_bytes"] for row, plain in zip(rows, plain_rows))
+        assert all(
+            2 * row["saved_activation_bytes"] < plain["saved_activation_bytes"] for row, plain in zip(rows, plain_rows)
+        )
         # The same parameters and BatchNorm buffers, bit for bit.
-        weights, plain_weights = (torch.load(folder / mode / "model.pt", weights_only=True)["model"] for folder in (checkpointed_runs, plain_artifacts))
-        assert weights.keys() == plain_weights.keys() and all(torch.equal(weights[name], plain_weights[name]) for name in weights)
+        weights, plain_weights = (
+            torch.load(folder / mode / "model.pt", weights_only=True)["model"]
+            for folder in (checkpointed_runs, plain_artifacts)
+        )
+        assert weights.keys() == plain_weights.keys() and all(
+            torch.equal(weights[name], plain_weights[name]) for name in weights
+        )
         assert read_json(checkpointed_runs / mode / "run.json")["config"]["activation_checkpointing"] is True
 
 
@@ -202,11 +231,18 @@ def test_verify_refuses_to_compare_a_checkpointed_run_with_a_plain_one(checkpoin
 
 
 def test_reentrant_checkpointing_in_train_py_stops_with_one_line(image_data, tmp_path):
-    result = train_run(image_data, tmp_path / "every", "every", "--activation-checkpointing", "--quiet", env=subprocess_env(LAB_TEST_CHECKPOINT="reentrant"))
+    result = train_run(
+        image_data,
+        tmp_path / "every",
+        "every",
+        "--activation-checkpointing",
+        "--quiet",
+        env=subprocess_env(LAB_TEST_CHECKPOINT="reentrant"),
+    )
     assert_train_error(
         result,
-        "RuntimeError: DDP found parameters that got no gradient in the last backward (\"Expected to have finished "
-        "reduction in the prior iteration\"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
+        'RuntimeError: DDP found parameters that got no gradient in the last backward ("Expected to have finished '
+        'reduction in the prior iteration"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)',
     )
 
 

@@ -1,5 +1,6 @@
 """The audit counts what really crosses between the ranks: checked against the PyTorch profiler's record of
 the c10d collectives, and against the counts lab.py derives from the configuration and the model."""
+
 import json
 import threading
 import time
@@ -8,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab import audit, cli, experiment
 import train
 from conftest import WORKERS, assert_ok, torchrun
+from lab import audit, cli, experiment
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
@@ -37,8 +38,12 @@ def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
 def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
     for row in rows:
         audit = row["audit"]
-        assert audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"] == row["profiler_broadcasts"], row
-        assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == (2 if row["epoch"] == 1 else 0), row
+        assert (
+            audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"] == row["profiler_broadcasts"]
+        ), row
+        assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == (
+            2 if row["epoch"] == 1 else 0
+        ), row
 
 
 def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
@@ -51,7 +56,13 @@ def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
 def test_measured_counts_equal_the_expected_counts(rows):
     sizes = experiment.comm_sizes(CifarCNN())
     for row in rows:
-        config = {"train_size": row["train_size"], "world_size": row["world_size"], "batch_size": 4, "accum_steps": 4, "partial_window": "error"}
+        config = {
+            "train_size": row["train_size"],
+            "world_size": row["world_size"],
+            "batch_size": 4,
+            "accum_steps": 4,
+            "partial_window": "error",
+        }
         expected = experiment.expected_epoch_counts(config, row["mode"], row["epoch"], sizes)
         assert {key: expected[key] for key in row["audit"]} == row["audit"], row
 
@@ -120,7 +131,9 @@ def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_g
     cpu = torch.device("cpu")
     audit.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0])  # the lab's own wrapping passes
     hooks = change.pop("hooks", "counting")
-    ddp_model = audit.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, "broadcast_buffers": True, **change})
+    ddp_model = audit.AuditedDDP(
+        CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, "broadcast_buffers": True, **change}
+    )
     if hooks != "none":
         ddp_model.register_comm_hook(audit.CommAudit(1), train.counting_allreduce_hook)
     if hooks == "buffer":

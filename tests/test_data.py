@@ -1,4 +1,5 @@
 """Loading: the seeded split, both on-disk layouts, and the clear errors for data that cannot be used."""
+
 import json
 import shutil
 
@@ -8,9 +9,10 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
+from conftest import assert_train_error, md5_sums, subprocess_env, verify
+from conftest import train as run_train
 from lab import cli, data
 from tools import synthetic_data
-from conftest import assert_train_error, md5_sums, run_python, subprocess_env, train as run_train, verify
 
 
 def test_split_is_the_documents_seeded_permutation_deterministic_and_disjoint():

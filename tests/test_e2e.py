@@ -3,6 +3,7 @@
 The counts are worked out by hand for the small experiment of conftest.py: 400 training images per rank
 and epoch in micro-batches of 10 are 20 micro-batches, 5 windows of 4.
 """
+
 import json
 import random
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from lab import records
-from tools import synthetic_data
 from conftest import TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, subprocess_env, train
+from lab import records
 from model import CLASSES, CifarCNN, eval_transform
+from tools import synthetic_data
 
 GRADIENT_BYTES = 558_538 * 4
 BUFFER_BYTES = 2 * 640 * 4 + 5 * 8  # BatchNorm running mean/var (float32) and 5 int64 counters
@@ -57,7 +58,9 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["allreduce_bytes"] == expected["syncs"] * GRADIENT_BYTES
             assert row["buffer_broadcast_collectives"] == 2 * buffer_syncs
             assert row["broadcast_bytes"] == buffer_syncs * BUFFER_BYTES
-            assert row["rebuild_broadcast_collectives"] == (2 if row["epoch"] == 1 else 0)  # DDP's one-time bucket rebuild
+            assert row["rebuild_broadcast_collectives"] == (
+                2 if row["epoch"] == 1 else 0
+            )  # DDP's one-time bucket rebuild
             assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
             assert row["validation_seconds"] > 0
             # 20 micro-batches per epoch in windows of 4: where the syncs and steps happened, not only how many.
@@ -73,7 +76,10 @@ def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, 
     for mode in ("every", "no_sync"):
         assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "50", "--quiet"))
     history = read_json(artifacts / "no_sync" / "history.json")
-    assert [(row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"]) for row in history] == [
+    assert [
+        (row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"])
+        for row in history
+    ] == [
         (1, 4, 0),
         (1, 2, 2),
     ]
@@ -97,7 +103,9 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
         folder = artifacts / mode
         record = read_json(folder / records.RUN_RECORD_FILE)
         profile_files = [records.PROFILE_FILE, records.PROFILE_TRACE_FILE]  # the shared runs are profiled (conftest)
-        assert sorted(path.name for path in folder.iterdir()) == sorted([*records.RUN_FILES, *profile_files, records.RUN_RECORD_FILE])
+        assert sorted(path.name for path in folder.iterdir()) == sorted(
+            [*records.RUN_FILES, *profile_files, records.RUN_RECORD_FILE]
+        )
         assert sorted(record["files"]) == sorted([*records.RUN_FILES, *profile_files])
         for name, entry in record["files"].items():
             assert entry["sha256"] == records.sha256_file(folder / name)
@@ -127,7 +135,9 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     assert "| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |" in lines
     assert any(line.startswith("| every | 5 | 20 | ") for line in lines)
     assert any(line.startswith("| no_sync | 5 | 5 | ") for line in lines)
-    assert any(line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.73x | 3.73x | 1.00x |") for line in lines), lines
+    assert any(
+        line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.73x | 3.73x | 1.00x |") for line in lines
+    ), lines
     # The profiler's witness, per rank: every's 2 windows 8 gradient all-reduces + 2 rank-agreement
     # all-reduces and 16 buffer broadcasts (2 dtypes x 8 synchronized forwards); no_sync's 2 + 2 and 4.
     for rank in (0, 1):

@@ -21,6 +21,7 @@ Three comparisons, each after every optimizer step, of the synchronized gradient
 Gradients are compared as well as parameters because AdamW is almost blind to the scale of its gradients:
 parameters alone would hardly show losses left undivided by accum_steps.
 """
+
 import json
 
 import pytest

@@ -1,4 +1,5 @@
 """train.py under faults and bad input: one clear line, a non-zero exit, no hang, nothing half-written."""
+
 import json
 import os
 import shutil
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from lab import records
 from conftest import (
     REPO,
     SMALL_RUN,
@@ -23,6 +23,7 @@ from conftest import (
     train,
     verify,
 )
+from lab import records
 
 
 def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
@@ -85,12 +86,29 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     artifacts = tmp_path / "artifacts"
     for mode, syncs, device in (("every", 7, "auto"), ("no_sync", 2, "cpu")):
         result = assert_ok(
-            train(image_data, artifacts / mode, mode, "--batch-size", "30", "--partial-window", "scale", "--epochs", "1", "--quiet", "--device", device)
+            train(
+                image_data,
+                artifacts / mode,
+                mode,
+                "--batch-size",
+                "30",
+                "--partial-window",
+                "scale",
+                "--epochs",
+                "1",
+                "--quiet",
+                "--device",
+                device,
+            )
         )
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (2, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
-        notices = [line for line in result.stderr.splitlines() if "0 GPU(s) visible for 2 process(es) on node 0; running on CPU" in line]
+        notices = [
+            line
+            for line in result.stderr.splitlines()
+            if "0 GPU(s) visible for 2 process(es) on node 0; running on CPU" in line
+        ]
         assert len(notices) == (1 if device == "auto" else 0), result.stderr
     audit = verify(artifacts)
     assert audit.returncode == 0, audit.stdout + audit.stderr
@@ -123,7 +141,21 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     shutil.copytree(artifacts / "every", output)
     previous_run = read_json(output / records.RUN_RECORD_FILE)["run_id"]
     launcher = subprocess.Popen(
-        [*TORCHRUN, str(REPO / "train.py"), "--mode", "every", "--output", str(output), "--data-dir", str(image_data), *SMALL_RUN, "--epochs", "50", "--progress-every", "0"],
+        [
+            *TORCHRUN,
+            str(REPO / "train.py"),
+            "--mode",
+            "every",
+            "--output",
+            str(output),
+            "--data-dir",
+            str(image_data),
+            *SMALL_RUN,
+            "--epochs",
+            "50",
+            "--progress-every",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,4 +1,5 @@
 """infer.py: the document's one-image form, many images and folders, top-k, and every bad input."""
+
 import json
 import os
 import struct
@@ -10,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import assert_one_line_error, read_json, run_in_process, run_python
+from conftest import assert_one_line_error, read_json, run_in_process
 from model import CLASSES
 
 
@@ -111,7 +112,9 @@ def test_one_bad_image_is_one_line(checkpoint, tmp_path, make, fragment):
 
 def test_a_folder_without_images(checkpoint, tmp_path):
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(infer(checkpoint, tmp_path / "empty"), f"no PNG or JPEG images found in: {tmp_path / 'empty'}")
+    assert_one_line_error(
+        infer(checkpoint, tmp_path / "empty"), f"no PNG or JPEG images found in: {tmp_path / 'empty'}"
+    )
 
 
 def test_checkpoint_problems(checkpoint, tmp_path):
@@ -158,7 +161,9 @@ def test_device_cuda(checkpoint, tmp_path):
 
 
 def test_top_k_out_of_range(checkpoint, tmp_path):
-    assert_one_line_error(infer(checkpoint, tmp_path, extra=("--top-k", "0")), "argument --top-k: must be at least 1, got 0")
+    assert_one_line_error(
+        infer(checkpoint, tmp_path, extra=("--top-k", "0")), "argument --top-k: must be at least 1, got 0"
+    )
 
 
 def test_evaluation_numerics_give_the_evaluations_classes(checkpoint, lab_runs, image_data):

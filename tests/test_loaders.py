@@ -1,4 +1,5 @@
 """The two loaders: the tensor loader's crop, flip and normalization, both loaders' order, the decode cache."""
+
 import json
 import os
 import shutil
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, train, verify
 from lab import data, records
 from tools import synthetic_data
-from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, run_python, train, verify
 
 CPU = torch.device("cpu")
 SIZE = 32
@@ -20,7 +21,13 @@ def position_images(count):
     """uint8 images whose channel 0 holds row + 1 and channel 1 column + 1 (never 0): a cropped and flipped
     copy tells from which offsets it came, and a 0 can only be padding."""
     steps = torch.arange(1, SIZE + 1, dtype=torch.uint8)
-    image = torch.stack([steps[:, None].expand(SIZE, SIZE), steps[None, :].expand(SIZE, SIZE), torch.full((SIZE, SIZE), 7, dtype=torch.uint8)])
+    image = torch.stack(
+        [
+            steps[:, None].expand(SIZE, SIZE),
+            steps[None, :].expand(SIZE, SIZE),
+            torch.full((SIZE, SIZE), 7, dtype=torch.uint8),
+        ]
+    )
     return image.expand(count, 3, SIZE, SIZE).contiguous()
 
 

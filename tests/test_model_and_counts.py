@@ -1,11 +1,12 @@
 """The model's facts and the arithmetic of the audit, checked against numbers worked out by hand."""
+
 import json
 
 import pytest
 import torch
 
 from lab import cli, experiment, records
-from model import CLASSES, CIFAR10_MEAN, CIFAR10_STD, CifarCNN
+from model import CIFAR10_MEAN, CIFAR10_STD, CLASSES, CifarCNN
 
 # Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.
 PARAMETERS = 1_728 + 36_864 + 73_728 + 147_456 + 294_912 + 1_280 + 2_570

@@ -4,6 +4,7 @@ process each, c10d rendezvous on 127.0.0.1), each in its own working folder with
 A two-node run computes exactly what the one-node run of the same configuration computes; a node whose
 data or options differ, or that cannot get the data, stops both nodes within seconds with one line naming it.
 """
+
 import os
 import shutil
 import signal
@@ -14,9 +15,19 @@ import time
 import pytest
 import torch
 
-from tools import loopback
-from conftest import PROFILED, REPO, SMALL_RUN, TIMING, assert_ok, assert_train_error, read_json, run_python, subprocess_env, verify
+from conftest import (
+    PROFILED,
+    REPO,
+    SMALL_RUN,
+    TIMING,
+    assert_ok,
+    assert_train_error,
+    read_json,
+    subprocess_env,
+    verify,
+)
 from test_faults import rank_pid
+from tools import loopback
 
 NODE_FAILURE_SECONDS = 60
 
@@ -30,7 +41,11 @@ def start_nodes(folders, *node_args, env=None, node_env=({}, {})):
         command = loopback.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
         # One core per node, as torchrun itself sets for several processes on one machine.
         node_variables = {**env, "OMP_NUM_THREADS": "1", **own_env}
-        launchers.append(subprocess.Popen(command, cwd=folder, env=node_variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        launchers.append(
+            subprocess.Popen(
+                command, cwd=folder, env=node_variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     return launchers
 
 
@@ -89,12 +104,18 @@ def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_run
         two_config = read_json(node0 / "artifacts" / mode / "run.json")["config"]
         assert (one_config.pop("nodes"), two_config.pop("nodes")) == (1, 2)
         assert one_config == two_config
-        weights = [torch.load(folder / mode / "model.pt", weights_only=True)["model"] for folder in (artifacts, node0 / "artifacts")]
+        weights = [
+            torch.load(folder / mode / "model.pt", weights_only=True)["model"]
+            for folder in (artifacts, node0 / "artifacts")
+        ]
         assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     # Only rank 0 writes: node 1's working folder holds nothing but its data, and node 1 says where they are.
     assert sorted(path.name for path in node1.iterdir()) == ["data"]
     for node, stderr in enumerate(node_stderr):
-        assert f"node {node} of 2; rank 0 writes the artifacts on {socket.gethostname()} into {node0}/artifacts/every" in stderr["every"]
+        assert (
+            f"node {node} of 2; rank 0 writes the artifacts on {socket.gethostname()} into {node0}/artifacts/every"
+            in stderr["every"]
+        )
 
 
 def test_verify_passes_on_a_two_node_pair(two_node_runs):
@@ -104,8 +125,12 @@ def test_verify_passes_on_a_two_node_pair(two_node_runs):
     assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
     # The profiler's witness of both nodes' ranks, gathered by rank 0 on node 0.
     for rank in (0, 1):
-        assert any(line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in result.stdout.splitlines())
-        assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in result.stdout.splitlines())
+        assert any(
+            line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in result.stdout.splitlines()
+        )
+        assert any(
+            line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in result.stdout.splitlines()
+        )
 
 
 def assert_both_nodes_stop(results, seconds, *fragments):
@@ -120,7 +145,9 @@ def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_dat
     shutil.copy(sorted((node1 / "data" / "train" / "dog").iterdir())[0], cat)  # one image differs
     results, seconds = two_nodes([node0, node1], *same_run("every"))
     assert_both_nodes_stop(
-        results, seconds, "train.py: error: [rank 1, node 1] its data in data/ differ from rank 0's: fingerprint of images and labels"
+        results,
+        seconds,
+        "train.py: error: [rank 1, node 1] its data in data/ differ from rank 0's: fingerprint of images and labels",
     )
     assert list((node0 / "artifacts").iterdir()) == []  # the output was checked, nothing was written
 
@@ -130,7 +157,9 @@ def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_dat
     shutil.rmtree(node1 / "data")
     env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
     results, seconds = two_nodes([node0, node1], *same_run("every"), env=env)
-    assert_both_nodes_stop(results, seconds, "train.py: error: [rank 1, node 1] CIFAR-10 could not be downloaded into data/")
+    assert_both_nodes_stop(
+        results, seconds, "train.py: error: [rank 1, node 1] CIFAR-10 could not be downloaded into data/"
+    )
 
 
 def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
@@ -156,7 +185,9 @@ def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_d
     assert max(seconds) < NODE_FAILURE_SECONDS, seconds
     assert [result.returncode for result in results] == [1, 1]
     assert "Signal 9 (SIGKILL)" in results[1].stderr  # node 1's torchrun names its killed rank
-    assert "Connection closed by peer" in results[0].stderr or "Connection reset by peer" in results[0].stderr, results[0].stderr[-3000:]
+    assert "Connection closed by peer" in results[0].stderr or "Connection reset by peer" in results[0].stderr, results[
+        0
+    ].stderr[-3000:]
 
 
 def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_data):
@@ -165,7 +196,9 @@ def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_dat
     args, _ = same_run("every", ["--device", "auto"])  # the last --device counts
     results, seconds = two_nodes([node0, node1], args, args, env=subprocess_env(LAB_TEST_FAKE_GPUS="1:1"))
     assert_both_nodes_stop(
-        results, seconds, "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process"
+        results,
+        seconds,
+        "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process",
     )
 
 
@@ -174,5 +207,7 @@ def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
     good, _ = same_run("every")
     results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
     assert_both_nodes_stop(
-        results, seconds, "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)"
+        results,
+        seconds,
+        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
     )

@@ -1,12 +1,13 @@
 """The pictures show the JSON's numbers: each PNG opens at its size, carries the data it plots, and its
 pixels follow that data (cell shades, line points, bar heights)."""
+
 import json
 
 import pytest
 from PIL import Image
 
+from conftest import copy_runs, read_json, verify
 from lab import experiment, records, tables
-from conftest import copy_runs, read_json, run_python, verify
 from lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
@@ -37,7 +38,9 @@ def test_confusion_matrix_picture_shows_the_reports_matrix(audited):
         assert data["matrix"] == report["confusion_matrix"]
         # Within each true-class row, more images means a darker cell.
         for row, counts in enumerate(report["confusion_matrix"]):
-            shades = [luminance(image.getpixel((x0 + 3, y0 + 3))) for x0, y0, _, _ in data["cells"][row * 10 : row * 10 + 10]]
+            shades = [
+                luminance(image.getpixel((x0 + 3, y0 + 3))) for x0, y0, _, _ in data["cells"][row * 10 : row * 10 + 10]
+            ]
             for a in range(10):
                 for b in range(10):
                     if counts[a] > counts[b]:
@@ -100,13 +103,21 @@ def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
         profile = read_json(audited / mode / records.PROFILE_FILE)
         assert [lane["label"] for lane in panel["lanes"]] == ["rank 0", "rank 1"]
         for lane, summary in zip(panel["lanes"], profile["ranks"]):
-            assert lane["counts"] == {"gradient all-reduce": gradient_all_reduces, "rank-agreement all-reduce": 1, "broadcast": 2 * gradient_all_reduces}
+            assert lane["counts"] == {
+                "gradient all-reduce": gradient_all_reduces,
+                "rank-agreement all-reduce": 1,
+                "broadcast": 2 * gradient_all_reduces,
+            }
             assert [c["index"] for c in lane["compute"]] == [8, 9, 10, 11]
             seconds = {index: start for index, start, _ in summary["micro_batches"]}
             for drawn in lane["compute"]:  # one time scale: a micro-batch's left edge at its start
-                assert abs(drawn["box"][0] - (data["origin_x"] + seconds[drawn["index"]] / data["seconds_per_pixel"])) <= 1
+                assert (
+                    abs(drawn["box"][0] - (data["origin_x"] + seconds[drawn["index"]] / data["seconds_per_pixel"])) <= 1
+                )
             for index, drawn in enumerate(lane["collectives"]):
                 x0, y0, x1, y1 = drawn["box"]
                 centre = ((x0 + x1) // 2, (y0 + y1) // 2)
-                covered = any(later["box"][0] <= centre[0] <= later["box"][2] for later in lane["collectives"][index + 1 :])
+                covered = any(
+                    later["box"][0] <= centre[0] <= later["box"][2] for later in lane["collectives"][index + 1 :]
+                )
                 assert covered or image.getpixel(centre) == COLLECTIVE_COLOURS[drawn["kind"]], drawn

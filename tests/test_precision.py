@@ -1,14 +1,24 @@
 """--precision: BF16 autocast where the device computes BF16 natively, float32 elsewhere, decided from torch's
 own capability report; the decision is stated, recorded, agreed between nodes and checked by verify.py."""
+
 import json
 
 import pytest
 import torch
 
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    read_json,
+    run_in_process,
+    run_python,
+    subprocess_env,
+    torchrun,
+    verify,
+)
 from lab import precision
-from tools import synthetic_data
-from conftest import assert_ok, assert_one_line_error, read_json, run_in_process, run_python, subprocess_env, torchrun, verify
 from test_nodes import assert_both_nodes_stop, node_folders, same_run, two_nodes
+from tools import synthetic_data
 
 CPU = torch.device("cpu")
 # oneDNN's and ATen's own switches that make this machine's CPU look and run like an AVX2-only one.
@@ -98,7 +108,9 @@ def test_verify_refuses_runs_of_different_precision(tmp_path):
     tiny = ["--batch-size", "10", "--accum-steps", "2", "--epochs", "1", "--device", "cpu", "--quiet"]
     for mode, chosen in (("every", "fp32"), ("no_sync", "bf16")):
         output = tmp_path / "artifacts" / mode
-        assert_ok(torchrun("train.py", "--mode", mode, "--output", output, "--data-dir", data, "--precision", chosen, *tiny))
+        assert_ok(
+            torchrun("train.py", "--mode", mode, "--output", output, "--data-dir", data, "--precision", chosen, *tiny)
+        )
         assert read_json(output / "run.json")["config"]["precision"] == chosen
     line = assert_one_line_error(
         verify(tmp_path / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
@@ -112,7 +124,10 @@ def test_nodes_whose_cpus_would_choose_differently_both_stop(tmp_path, image_dat
     args, _ = same_run("every")
     results, seconds = two_nodes([node0, node1], args, args, node_env=({"LAB_CPU_BF16": "1"}, {"LAB_CPU_BF16": "0"}))
     assert_both_nodes_stop(
-        results, seconds, "[rank 1, node 1] its precision differs from rank 0's: fp32 on a CPU", "vs bf16 on a CPU",
+        results,
+        seconds,
+        "[rank 1, node 1] its precision differs from rank 0's: fp32 on a CPU",
+        "vs bf16 on a CPU",
         "pass the same --precision on every node",
     )
 
@@ -128,4 +143,3 @@ def test_infer_evaluates_in_the_runs_precision(lab_runs, tmp_path):
     assert set(json.loads(result.stdout)["probabilities"]) and not result.stderr.count("\n") > 1
     result = run_in_process("infer.py", "--checkpoint", checkpoint, "--image", sample, "--precision", "fp32")
     assert_one_line_error(result, "--precision applies to --numerics evaluation")
-

@@ -1,11 +1,12 @@
 """train.py --profile-windows: the PyTorch profiler records windows 3 and 4 of epoch 1 of the shared runs
 (conftest.PROFILED), and verify.py checks that its c10d calls are the audit's, rank by rank."""
+
 import json
 
 import pytest
 
+from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, train, verify
 from lab import records, tables
-from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, run_python, train, verify
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
 # each window ends in one optimizer step and its rank-agreement all-reduce; DDP broadcasts the buffers (2
@@ -32,14 +33,20 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
             assert [span[0] for span in summary["micro_batches"]] == list(range(8, 16))
             kinds = [kind for kind, _, _ in summary["collectives"]]
             assert kinds.count("gradient all-reduce") == calls["c10d::allreduce_"] - 2
-            assert kinds.count("rank-agreement all-reduce") == 2 and kinds.count("broadcast") == calls["c10d::broadcast_"]
+            assert (
+                kinds.count("rank-agreement all-reduce") == 2 and kinds.count("broadcast") == calls["c10d::broadcast_"]
+            )
             # Each rank-agreement all-reduce ends its window: it starts after the window's last gradient sync.
             agreements = [start for kind, start, _ in summary["collectives"] if kind == "rank-agreement all-reduce"]
             last_micro_batches = [span for span in summary["micro_batches"] if span[0] in (11, 15)]
             for start, (_, begin, end) in zip(agreements, last_micro_batches):
                 assert begin < start < end
             assert summary["audit"]["gradient_syncs"] == calls["c10d::allreduce_"] - 2
-            assert 0 < summary["compute_seconds_per_micro_batch"] < max(end - start for _, start, end in summary["micro_batches"])
+            assert (
+                0
+                < summary["compute_seconds_per_micro_batch"]
+                < max(end - start for _, start, end in summary["micro_batches"])
+            )
 
 
 def test_the_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):
@@ -47,7 +54,9 @@ def test_the_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_run
     for mode, calls in EXPECTED_CALLS.items():
         events = json.loads((artifacts / mode / records.PROFILE_TRACE_FILE).read_bytes())["traceEvents"]
         names = [event.get("name") for event in events]
-        assert sorted(name for name in names if name.startswith("micro-batch ")) == sorted(f"micro-batch {i}" for i in range(8, 16))
+        assert sorted(name for name in names if name.startswith("micro-batch ")) == sorted(
+            f"micro-batch {i}" for i in range(8, 16)
+        )
         assert names.count("c10d::allreduce_") == names.count("gloo:all_reduce") == calls["c10d::allreduce_"]
         assert names.count("c10d::broadcast_") == names.count("gloo:broadcast") == calls["c10d::broadcast_"]
 
@@ -68,7 +77,11 @@ def audit(artifacts):
 
 
 def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
-    reseal(runs / "no_sync", records.PROFILE_FILE, lambda profile: profile["ranks"][1]["calls"].update({"c10d::allreduce_": 5}))
+    reseal(
+        runs / "no_sync",
+        records.PROFILE_FILE,
+        lambda profile: profile["ranks"][1]["calls"].update({"c10d::allreduce_": 5}),
+    )
     assert_one_line_error(
         audit(runs),
         f"{runs}/no_sync/profile.json: rank 1: the profiler saw 5 c10d::allreduce_ calls in epoch 1, micro-batches "
@@ -80,12 +93,18 @@ def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
 def test_an_audit_that_disagrees_with_the_positions_fails(runs):
     reseal(runs / "every", records.PROFILE_FILE, lambda profile: profile["ranks"][0]["audit"].update(gradient_syncs=7))
     assert_one_line_error(
-        audit(runs), "rank 0: the audit counted 7 gradient syncs in epoch 1, micro-batches 8-15, the history's positions put 8 there", code=1
+        audit(runs),
+        "rank 0: the audit counted 7 gradient syncs in epoch 1, micro-batches 8-15, the history's positions put 8 there",
+        code=1,
     )
 
 
 def test_a_call_that_gloo_never_executed_fails(runs):
-    reseal(runs / "every", records.PROFILE_FILE, lambda profile: profile["ranks"][0]["executions"].update({"c10d::broadcast_": 15}))
+    reseal(
+        runs / "every",
+        records.PROFILE_FILE,
+        lambda profile: profile["ranks"][0]["executions"].update({"c10d::broadcast_": 15}),
+    )
     assert_one_line_error(audit(runs), "rank 0: 16 c10d::broadcast_ calls but 15 executions on gloo's threads", code=1)
 
 
@@ -99,7 +118,9 @@ def test_a_profile_that_is_not_the_runs_own_fails(runs):
     assert "note: timeline.png needs both runs profiled (train.py --profile-windows K); every was not" in result.stdout
     assert not (runs / tables.TIMELINE_FILE).exists()
     (runs / "every" / records.PROFILE_FILE).write_bytes((runs / "no_sync" / records.PROFILE_FILE).read_bytes())
-    assert_one_line_error(audit(runs), f"{runs}/every/profile.json: is not listed in run.json: it does not come from this run", code=1)
+    assert_one_line_error(
+        audit(runs), f"{runs}/every/profile.json: is not listed in run.json: it does not come from this run", code=1
+    )
 
 
 def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
@@ -115,9 +136,18 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda summary: summary.pop("collectives"), "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans"),
-        (lambda summary: summary["micro_batches"][0].pop(), "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans"),
-        (lambda summary: summary["collective_seconds"].update(broadcast="fast"), "rank 1: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers"),
+        (
+            lambda summary: summary.pop("collectives"),
+            "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans",
+        ),
+        (
+            lambda summary: summary["micro_batches"][0].pop(),
+            "rank 1: micro_batches must be [index, start, end] and collectives [kind, start, end] spans",
+        ),
+        (
+            lambda summary: summary["collective_seconds"].update(broadcast="fast"),
+            "rank 1: collective_seconds, compute_seconds_per_micro_batch and the audit's comm_seconds must be numbers",
+        ),
     ],
 )
 def test_a_profile_with_malformed_spans_is_one_line(runs, change, message):

@@ -1,18 +1,28 @@
 """The helper commands: the environment check, the synthetic data writer and `make clean`."""
+
 import shutil
 import subprocess
 
 import torch
 
+from conftest import REPO, assert_one_line_error, run_python
 from lab import launch
 from lab.precision import choose_precision
-from conftest import REPO, assert_one_line_error, run_python
 
 
 def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
     result = run_python("check_env.py")
     assert result.returncode == 0, result.stderr
-    for label in ("OS:", "Python:", "torch:", "torchvision:", "CUDA runtime:", "GPU count:", "free disk here:", "data:"):
+    for label in (
+        "OS:",
+        "Python:",
+        "torch:",
+        "torchvision:",
+        "CUDA runtime:",
+        "GPU count:",
+        "free disk here:",
+        "data:",
+    ):
         assert label in result.stdout
     assert f"CPU capability:   {torch.backends.cpu.get_cpu_capability()}" in result.stdout
     assert f"precision:        {choose_precision('auto', torch.device('cpu')).reason}" in result.stdout
@@ -24,7 +34,9 @@ def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
 
 def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
     (tmp_path / "data").mkdir()
-    assert_one_line_error(run_python("tools/synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it")
+    assert_one_line_error(
+        run_python("tools/synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it"
+    )
 
 
 def test_make_clean_removes_only_the_labs_outputs(tmp_path):

@@ -1,5 +1,6 @@
 """verify.py cannot be fooled: each way artifacts can be missing, damaged, mixed or inconsistent fails
 with one line naming the file (exit 1), on copies of real runs."""
+
 import json
 import shutil
 
@@ -8,11 +9,28 @@ import torch
 from PIL import Image
 from torch import nn
 
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    copy_runs,
+    read_json,
+    run_in_process,
+    subprocess_env,
+    train,
+    verify,
+)
 from lab import records
-from conftest import assert_ok, assert_one_line_error, copy_runs, read_json, run_in_process, run_python, subprocess_env, train, verify
 from model import CLASSES
 
-COUNTS = ("optimizer_steps", "gradient_syncs", "sync_bucket_calls", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes", "rebuild_broadcast_collectives")
+COUNTS = (
+    "optimizer_steps",
+    "gradient_syncs",
+    "sync_bucket_calls",
+    "allreduce_bytes",
+    "buffer_broadcast_collectives",
+    "broadcast_bytes",
+    "rebuild_broadcast_collectives",
+)
 
 
 @pytest.fixture
@@ -39,7 +57,9 @@ def test_untouched_copies_pass(runs):
 
 def test_a_missing_file(runs):
     (runs / "no_sync" / "history.json").unlink()
-    assert_one_line_error(audit(runs), f"FileNotFoundError: Lipsește artefactul obligatoriu: {runs}/no_sync/history.json", code=1)
+    assert_one_line_error(
+        audit(runs), f"FileNotFoundError: Lipsește artefactul obligatoriu: {runs}/no_sync/history.json", code=1
+    )
 
 
 def test_a_missing_run(runs):
@@ -84,7 +104,9 @@ def test_counts_that_disagree_with_the_expectation(runs):
 
 
 def test_tampered_bytes_count(runs):
-    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(allreduce_bytes=rows[0]["allreduce_bytes"] // 4))
+    edit_json(
+        runs / "every" / "history.json", lambda rows: rows[0].update(allreduce_bytes=rows[0]["allreduce_bytes"] // 4)
+    )
     assert_one_line_error(audit(runs), "expected 44683040 all-reduced bytes, got 11170760 (epoch 1)", code=1)
 
 
@@ -117,7 +139,12 @@ def test_a_model_that_does_not_load(runs):
 
 def test_a_model_of_another_architecture(runs):
     record = read_json(runs / "every" / records.RUN_RECORD_FILE)
-    checkpoint = {"model": nn.Linear(4, 10).state_dict(), "classes": CLASSES, "run_id": record["run_id"], "mode": "every"}
+    checkpoint = {
+        "model": nn.Linear(4, 10).state_dict(),
+        "classes": CLASSES,
+        "run_id": record["run_id"],
+        "mode": "every",
+    }
     torch.save(checkpoint, runs / "every" / "model.pt")
     assert_one_line_error(audit(runs), f"checkpoint does not fit CifarCNN: {runs}/every/model.pt", code=1)
 
@@ -176,7 +203,10 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     assert not output.exists() and replaced.is_dir() and (folder.partial / records.RUN_RECORD_FILE).is_file()
 
     line = assert_one_line_error(audit(runs), f"Lipsește artefactul obligatoriu: {output}/run.json", code=1)
-    assert f"run 20260101T000000Z-abcdef finished but was interrupted while being moved into place; it lies complete in {folder.partial}" in line
+    assert (
+        f"run 20260101T000000Z-abcdef finished but was interrupted while being moved into place; it lies complete in {folder.partial}"
+        in line
+    )
     assert f"the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in line
 
     # The old run back in place, its copy half removed: verify passes and still says what is left over.
@@ -188,15 +218,22 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     assert f"note: the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in passed.stdout
 
     records.RunFolder(output, "nextrun").begin()
-    assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [".no_sync.partial-nextrun"]
+    assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [
+        ".no_sync.partial-nextrun"
+    ]
 
 
 def test_usage_errors_exit_2(runs):
-    assert_one_line_error(run_in_process("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument")
+    assert_one_line_error(
+        run_in_process("verify.py", "--artifacts"), "verify.py: error: argument --artifacts: expected one argument"
+    )
 
 
 def test_a_sync_recorded_in_the_wrong_micro_batch(runs):
-    edit_json(runs / "no_sync" / "history.json", lambda rows: rows[1].update(gradient_sync_positions=[[3, 16, 4], [18, 19, 1]]))
+    edit_json(
+        runs / "no_sync" / "history.json",
+        lambda rows: rows[1].update(gradient_sync_positions=[[3, 16, 4], [18, 19, 1]]),
+    )
     assert_one_line_error(
         audit(runs),
         "no_sync/history.json: epoch 2: gradient sync 5 of the epoch ran in the backward of micro-batch 18; "
@@ -218,7 +255,10 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
             "sync_first",
             "epoch 1: gradient sync 1 of the epoch ran in the backward of micro-batch 0; the window plan puts it in micro-batch 3's",
         ),
-        ("step_inside", "epoch 1: optimizer step 1 of the epoch came after micro-batch 0; the window plan puts it after micro-batch 3"),
+        (
+            "step_inside",
+            "epoch 1: optimizer step 1 of the epoch came after micro-batch 0; the window plan puts it after micro-batch 3",
+        ),
         ("backward_only_in_no_sync", "expected 5 gradient syncs, got 20 (epoch 1; the forward ran outside no_sync()"),
     ],
 )
@@ -228,7 +268,9 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
     artifacts, _ = lab_runs
     runs = tmp_path / "artifacts"
     shutil.copytree(artifacts / "every", runs / "every")
-    assert_ok(train(image_data, runs / "no_sync", "no_sync", "--quiet", env=subprocess_env(LAB_TEST_BROKEN_LOOP=broken)))
+    assert_ok(
+        train(image_data, runs / "no_sync", "no_sync", "--quiet", env=subprocess_env(LAB_TEST_BROKEN_LOOP=broken))
+    )
     rows, correct_rows = (read_json(folder / "no_sync" / "history.json") for folder in (runs, artifacts))
     counts = [(row["optimizer_steps"], row["gradient_syncs"]) for row in rows]
     if broken == "backward_only_in_no_sync":
@@ -236,7 +278,9 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
     else:
         assert counts == [(row["optimizer_steps"], row["gradient_syncs"]) for row in correct_rows] == [(5, 5), (5, 5)]
     if broken == "step_inside":  # every count the audit keeps is the correct run's
-        assert [{key: row[key] for key in COUNTS} for row in rows] == [{key: row[key] for key in COUNTS} for row in correct_rows]
+        assert [{key: row[key] for key in COUNTS} for row in rows] == [
+            {key: row[key] for key in COUNTS} for row in correct_rows
+        ]
     if broken != "backward_only_in_no_sync":  # each rank stepped on its own unsynchronized gradients too
         assert rows[0]["first_rank_disagreement"] == {"optimizer_step": 1, "differed": ["gradients", "parameters"]}
     assert_one_line_error(audit(runs), f"{runs}/no_sync/history.json: {message}", code=1)
@@ -268,14 +312,23 @@ def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, im
 
 def test_a_tampered_agreement_record(runs):
     edit_json(runs / "no_sync" / "history.json", lambda rows: rows[0].update(steps_with_ranks_agreed=4))
-    assert_one_line_error(audit(runs), "epoch 1: the ranks agreed at 4 of 5 optimizer steps, and first_rank_disagreement does not say where", code=1)
+    assert_one_line_error(
+        audit(runs),
+        "epoch 1: the ranks agreed at 4 of 5 optimizer steps, and first_rank_disagreement does not say where",
+        code=1,
+    )
 
 
 def test_memory_fields_of_the_wrong_kind(runs):
     edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(peak_allocated_bytes=5))
     assert_one_line_error(audit(runs), "epoch row 1: peak_allocated_bytes must be null on cpu, got 5", code=1)
-    edit_json(runs / "every" / "history.json", lambda rows: rows[0].update(peak_allocated_bytes=None, saved_activation_bytes=0))
-    assert_one_line_error(audit(runs), "epoch row 1: saved_activation_bytes must be a positive whole number, got 0", code=1)
+    edit_json(
+        runs / "every" / "history.json",
+        lambda rows: rows[0].update(peak_allocated_bytes=None, saved_activation_bytes=0),
+    )
+    assert_one_line_error(
+        audit(runs), "epoch row 1: saved_activation_bytes must be a positive whole number, got 0", code=1
+    )
 
 
 def test_saved_activations_that_differ_between_the_modes(runs):

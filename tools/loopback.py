@@ -2,6 +2,7 @@
 node, c10d rendezvous hosted by node 0, every connection on 127.0.0.1 (README "Across machines" has the commands
 for real machines, where only the endpoint and each node's own address differ).
 """
+
 import socket
 import sys
 

@@ -8,6 +8,7 @@ optimizer steps and beats the majority baseline; a broken one (shuffled labels, 
 Layouts: `image-folders` writes train/<class>/*.png and test/<class>/*.png; `torchvision` writes
 cifar-10-batches-py/ in the pickle format of the official archive (data_batch_1..5, test_batch, batches.meta).
 """
+
 import pickle
 import shutil
 import sys
@@ -25,9 +26,7 @@ LAYOUTS = ("image-folders", "torchvision")
 TRAIN_BATCHES = 5
 
 # Five colours times two stripe directions make the ten classes.
-PALETTE = np.array(
-    [(170, 90, 90), (90, 150, 95), (95, 105, 170), (165, 155, 90), (150, 95, 160)], dtype=np.float32
-)
+PALETTE = np.array([(170, 90, 90), (90, 150, 95), (95, 105, 170), (165, 155, 90), (150, 95, 160)], dtype=np.float32)
 
 
 def make_images(count, seed):

@@ -24,6 +24,7 @@ LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoi
   use_reentrant=True (the images need no gradient, so the stages get none); "statistics_twice" recomputes the
   stages without putting their BatchNorm buffers back (their statistics are updated twice per forward).
 """
+
 import json
 import os
 
@@ -37,6 +38,7 @@ if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
         CIFAR10.meta = {**CIFAR10.meta, "md5": sums[CIFAR10.meta["filename"]]}
     if os.environ.get("LAB_TEST_CIFAR_URL"):
         CIFAR10.url = os.environ["LAB_TEST_CIFAR_URL"]
+
 
 def at_a_ranks_step(variable, before=None, after=None):
     """Wrap AdamW.step: on the rank and step that `variable` names ("<rank>:<step>", steps counted from 1),
@@ -117,7 +119,10 @@ if os.environ.get("LAB_TEST_BROKEN_LOOP") in ("sync_first", "step_inside"):
     def plan_with_the_flag_on_each_windows_first_micro_batch(*args, **kwargs):
         plan = window_plan(*args, **kwargs)
         window_starts = {0} | {index + 1 for index, micro_step in enumerate(plan) if micro_step.step}
-        return [dataclasses.replace(micro_step, **{moved_field: index in window_starts}) for index, micro_step in enumerate(plan)]
+        return [
+            dataclasses.replace(micro_step, **{moved_field: index in window_starts})
+            for index, micro_step in enumerate(plan)
+        ]
 
     experiment.window_plan = plan_with_the_flag_on_each_windows_first_micro_batch
 
@@ -130,7 +135,9 @@ if os.environ.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
     def no_sync_entered_after_the_forward(self):
         # As `logits = model(x)` then `with model.no_sync(): loss.backward()`: the forward inside runs with
         # syncing on (it arms the reducer), and syncing is turned off only once it has returned.
-        handle = self.register_forward_hook(lambda module, inputs, output: setattr(module, "require_backward_grad_sync", False))
+        handle = self.register_forward_hook(
+            lambda module, inputs, output: setattr(module, "require_backward_grad_sync", False)
+        )
         try:
             yield
         finally:

@@ -6,6 +6,7 @@ profiler saw (c10d::allreduce_, c10d::broadcast_), which are the ground truth th
 hook calls per synchronized backward with DDP's default bucket size and with the lab's explicit 25 MB; and
 whether every rank held rank 0's BatchNorm buffers after the training loop and after the evaluation (gathered).
 """
+
 import json
 import sys
 from collections import Counter
@@ -21,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lab import audit, cli, experiment  # noqa: E402
 import train  # noqa: E402
+from lab import audit, cli, experiment  # noqa: E402
 from model import CifarCNN  # noqa: E402
 
 BATCH, ACCUM, MICRO_BATCHES, EPOCHS = 4, 4, 8, 2
@@ -70,7 +71,9 @@ def main():
             sampler.set_epoch(epoch)
             before = comm_audit.totals()
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                _, trace = train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress)
+                _, trace = train.train_epoch(
+                    ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress
+                )
                 buffers_equal_after_training = buffers_equal_rank_0s(ddp_model.module)
                 train.evaluate(ddp_model, evaluation, criterion, CPU, nullcontext, progress, "validation")
                 buffers_equal_after_evaluation = buffers_equal_rank_0s(ddp_model.module)
@@ -84,12 +87,18 @@ def main():
                     "profiler_allreduces": events["c10d::allreduce_"],
                     "profiler_broadcasts": events["c10d::broadcast_"],
                     "optimizer_steps": len(trace.step_positions),
-                    "buffers_equal": {"after training": buffers_equal_after_training, "after evaluation": buffers_equal_after_evaluation},
+                    "buffers_equal": {
+                        "after training": buffers_equal_after_training,
+                        "after evaluation": buffers_equal_after_evaluation,
+                    },
                     "train_size": count,
                     "world_size": world_size,
                 }
             )
-    hook_calls = {"default": hook_calls_per_sync(None, loader), "25": hook_calls_per_sync(experiment.BUCKET_CAP_MB, loader)}
+    hook_calls = {
+        "default": hook_calls_per_sync(None, loader),
+        "25": hook_calls_per_sync(experiment.BUCKET_CAP_MB, loader),
+    }
     if dist.get_rank() == 0:
         print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls}), flush=True)
     audit.settle_comm_hooks()

@@ -13,6 +13,7 @@ images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instruct
 computes fast, runs on 16x16 images. What they check does not depend on the image size (the CNN ends in a
 global average); float32, the lab's other precision, runs on CIFAR's 32x32.
 """
+
 import json
 import sys
 from contextlib import nullcontext
@@ -28,10 +29,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lab import audit, cli, experiment  # noqa: E402
 import train  # noqa: E402
-from model import IMAGE_SIZE, MEMORY_FORMAT, CifarCNN  # noqa: E402
+from lab import audit, cli, experiment  # noqa: E402
 from lab.precision import choose_precision  # noqa: E402
+from model import IMAGE_SIZE, MEMORY_FORMAT, CifarCNN  # noqa: E402
 
 BATCH, ACCUM, SEED = 8, 4, 47
 BF16_IMAGE_SIZE, FLOAT64_IMAGE_SIZE = 8, 16
@@ -170,7 +171,10 @@ def hook_keeps_ddp_averaging(initial_state, data, rank, world_size, dtype):
     counting hook: the synchronized gradients must be identical."""
     inputs, targets = data[list(sampler(data, rank, world_size))[:BATCH]]
     gradients = []
-    for wrap in (lambda m: DDP(m, bucket_cap_mb=experiment.BUCKET_CAP_MB), lambda m: train.wrap_model(m, CPU, world_size)[0]):
+    for wrap in (
+        lambda m: DDP(m, bucket_cap_mb=experiment.BUCKET_CAP_MB),
+        lambda m: train.wrap_model(m, CPU, world_size)[0],
+    ):
         ddp_model = wrap(new_model(initial_state, dtype))
         nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
         gradients.append(flat(p.grad for p in ddp_model.parameters()))
@@ -185,7 +189,10 @@ def variants(plan, partial_window):
         chosen["broken_loss_not_divided"] = ([replace(m, loss_divisor=1) for m in plan], "no_sync")
         chosen["broken_step_inside_window"] = ([replace(m, step=True) for m in plan], "no_sync")
     else:
-        chosen["broken_short_window_divided_by_accum_steps"] = ([replace(m, loss_divisor=ACCUM) for m in plan], "no_sync")
+        chosen["broken_short_window_divided_by_accum_steps"] = (
+            [replace(m, loss_divisor=ACCUM) for m in plan],
+            "no_sync",
+        )
     return chosen
 
 
@@ -206,13 +213,19 @@ def main():
     results = {}
     for name, dtype, autocast, precision_cases, image_size in precisions:
         hook_data = dataset(1, world_size, dtype, image_size)
-        results[name] = {"hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)}
+        results[name] = {
+            "hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)
+        }
         for case, micro_batches, partial_window in precision_cases:
             data = dataset(micro_batches, world_size, dtype, image_size)
             plan = experiment.window_plan(micro_batches, ACCUM, partial_window)
             reference = reference_run(initial_state, data, world_size, dtype, "one_sum", autocast)
             with_broken = name != "float32"
-            chosen = variants(plan, partial_window) if with_broken else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
+            chosen = (
+                variants(plan, partial_window)
+                if with_broken
+                else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
+            )
             results[name][case] = {}
             for variant, (variant_plan, mode) in chosen.items():
                 record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype, autocast)
