@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lab import audit, data, experiment, launch, records
+from lab import audit, data, experiment, launch, loaders, records, resume
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
 from lab.precision import PRECISIONS
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
@@ -49,64 +49,31 @@ SCRIPT = launch.SCRIPT
 
 
 def parse_args(argv=None):
+    """The document's options, then the lab's (docs/running.md says more of each)."""
     documented = experiment.DOCUMENTED
     parser = launch.TorchrunArgumentParser(
         prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode."
     )
-    parser.add_argument("--mode", choices=experiment.MODES, required=True)
-    parser.add_argument("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
-    parser.add_argument("--epochs", type=positive_int, default=documented["epochs"])
-    parser.add_argument("--batch-size", type=positive_int, default=documented["batch_size"], help="per rank")
-    parser.add_argument("--accum-steps", type=positive_int, default=documented["accum_steps"])
-    parser.add_argument("--seed", type=int, default=documented["seed"])
-    parser.add_argument("--expected-world-size", type=positive_int, default=documented["world_size"])
-    parser.add_argument(
-        "--partial-window",
-        choices=experiment.PARTIAL_WINDOW_POLICIES,
-        default=documented["partial_window"],
-        help="a last window shorter than --accum-steps: stop (error) or divide its losses by its length (scale)",
-    )
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="auto",
-        help="auto: BF16 autocast where the device computes BF16 natively, float32 elsewhere (lab/precision.py)",
-    )
-    parser.add_argument(
-        "--loader",
-        choices=data.LOADERS,
-        default="tensor",
-        help="tensor: images decoded once and augmented in batch on the training device; pil: the document's "
-        "per-image PIL pipeline (lab/data.py)",
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=Path("data"),
-        help="train/<class>/ and test/<class>/ image folders, or torchvision's CIFAR-10 (downloaded if absent)",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute each stage of the CNN in the backward (torch.utils.checkpoint, non-reentrant) instead of "
-        "keeping its activations: less memory, more compute, the same gradients and BatchNorm statistics",
-    )
-    parser.add_argument(
-        "--profile-windows",
-        type=positive_int,
-        metavar="K",
-        help="profile K accumulation windows of epoch 1 (after one skipped and one of warm-up) with the PyTorch "
-        "profiler: a trace and a summary in the run folder, checked by verify.py against the audit",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    parser.add_argument(
-        "--progress-every",
-        type=non_negative_float,
-        default=5.0,
-        metavar="SECONDS",
-        help="seconds between progress lines",
-    )
+    add = parser.add_argument
+    add("--mode", choices=experiment.MODES, required=True)
+    add("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
+    add("--epochs", type=positive_int, default=documented["epochs"])
+    add("--batch-size", type=positive_int, default=documented["batch_size"], help="per rank")
+    add("--accum-steps", type=positive_int, default=documented["accum_steps"])
+    add("--seed", type=int, default=documented["seed"])
+    add("--expected-world-size", type=positive_int, default=documented["world_size"])
+    add("--data-dir", type=Path, default=Path("data"), help="image folders, or torchvision's CIFAR-10 (downloaded)")
+    add("--partial-window", choices=experiment.PARTIAL_WINDOW_POLICIES, default=documented["partial_window"],
+        help="a short last window: stop (error), or divide its losses by its own length (scale)")  # fmt: skip
+    add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA with a GPU per process")
+    add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
+    add("--loader", choices=loaders.LOADERS, default="tensor", help="pil: the document's per-image pipeline")
+    add("--activation-checkpointing", action="store_true", help="recompute the CNN's stages in the backward")
+    add("--profile-windows", type=positive_int, metavar="K", help="profile K windows of epoch 1 (a second witness)")
+    add("--resume", action="store_true", help="continue the unfinished run in --output (start it if none)")
+    add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
+    add("--quiet", action="store_true", help="no progress lines on stderr")
+    add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")
     return parser.parse_args(argv)
 
 
@@ -157,23 +124,39 @@ def make_optimizer(parameters, device):
 # ----------------------------------------------------------------------------- training and evaluation
 
 
-def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None):
-    """One epoch by the window plan (profiled in part when a WindowProfiler is given).
+def train_epoch(
+    ddp_model,
+    loader,
+    plan,
+    mode,
+    optimizer,
+    criterion,
+    device,
+    autocast,
+    progress,
+    profiler=None,
+    epoch=None,
+    session=None,
+):
+    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in
+    part when a WindowProfiler is given; at each window's end the session saves or stops when due.
 
     Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: the micro-batches
     whose backward synchronized (the hook saw the last bucket) and after which the optimizer stepped, and at
-    each step whether every rank held the same gradients before it and the same parameters after it.
+    each step what audit.ranks_agree found across the ranks.
     """
+    epoch = epoch or resume.EpochState(0)
     ddp_model.train()
     optimizer.zero_grad(set_to_none=True)
-    comm_audit = ddp_model.comm_audit
+    comm_audit, trace = ddp_model.comm_audit, epoch.trace
     parameters = list(ddp_model.parameters())
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    trace = audit.EpochTrace()
-    images = 0
+    if epoch.totals is None:
+        epoch.totals = torch.zeros(3, dtype=torch.float64, device=device)
+    totals, images = epoch.totals, 0
     span = profiler.span if profiler else lambda name: nullcontext()
     progress.start("train", len(plan), "micro-batches")
-    for index, ((inputs, targets), micro_step) in enumerate(zip(loader, plan, strict=True)):
+    batches = zip(loaders.batches_from(loader, epoch.micro_batch), plan[epoch.micro_batch :], strict=True)
+    for index, ((inputs, targets), micro_step) in enumerate(batches, start=epoch.micro_batch):
         inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
         targets = targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
@@ -188,12 +171,13 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
                         raw_loss = criterion(logits, targets)
                 (raw_loss / micro_step.loss_divisor).backward()
             if index == 0:
-                trace.saved_activation_bytes = sum(held.values())
+                trace.saved_activation_bytes = held.activation_bytes
             if micro_step.step:
-                gradients = audit.fingerprint(p.grad for p in parameters if p.grad is not None)
+                before = audit.before_step(parameters)
                 optimizer.step()
                 with span(RANK_AGREEMENT_LABEL):
-                    trace.agreement.append(audit.ranks_agree(gradients, parameters, comm_audit.group))
+                    stop = session is not None and session.stop_requested
+                    trace.agreement.append(audit.ranks_agree(before, parameters, comm_audit.group, stop))
                 optimizer.zero_grad(set_to_none=True)
         if comm_audit.gradient_syncs != syncs_before:
             trace.sync_positions.append(index)
@@ -207,6 +191,9 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
         totals[2] += targets.size(0)
         images += targets.size(0)
         progress.update(index + 1, images)
+        epoch.micro_batch = index + 1
+        if micro_step.step and session is not None:
+            session.window_end(epoch, len(trace.step_positions))
     return totals, trace
 
 
@@ -247,8 +234,8 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
 
 def run(args, place):
     setup = launch.start_up(args, place)
-    device, group, loaders = setup.device, setup.group, setup.loaders
-    plan = experiment.window_plan(len(loaders.train), args.accum_steps, args.partial_window)
+    device, group = setup.device, setup.group
+    plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
     config = records.run_config(args, place, setup)
     majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
 
@@ -264,45 +251,65 @@ def run(args, place):
         profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(plan), device, comm_audit)
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
-    run_id, started_at = records.new_run_id(), records.utc_now()
+    session = resume.Session(args, place, config, device)  # a saved state to resume from, or none
+    run_id, started_at = session.run_id or records.new_run_id(), records.utc_now()
     folder = records.RunFolder(args.output, run_id)
     if is_writer:
-        folder.begin()
-
+        folder.begin(resuming=session.state is not None)
     history = []
-    for epoch in range(1, args.epochs + 1):
-        setup.split.train_sampler.set_epoch(epoch - 1)
-        progress.prefix = f"epoch {epoch}/{args.epochs} "
-        before = comm_audit.totals()
+    session.attach(folder, (ddp_model, optimizer, scheduler), comm_audit, setup.loaders.train, history)
+    epoch = session.restore() if session.state else resume.EpochState(1)
+
+    while epoch.number <= args.epochs:
+        setup.split.train_sampler.set_epoch(epoch.number - 1)
+        progress.prefix = f"epoch {epoch.number}/{args.epochs} "
+        epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        epoch_started = audit.read_clock(device)
-        profiled = profiler if epoch == 1 else None
+        epoch.segment_started = audit.read_clock(device)
+        profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
         with profiled or nullcontext(), audit.ddp_errors_explained():
-            train_totals, trace = train_epoch(
-                ddp_model, loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress, profiled
+            train_epoch(
+                ddp_model,
+                setup.loaders.train,
+                plan,
+                args.mode,
+                optimizer,
+                criterion,
+                device,
+                autocast,
+                progress,
+                profiled,
+                epoch,
+                session,
             )
         validation_started = audit.read_clock(device)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        validation = evaluate(ddp_model, loaders.validation, criterion, device, autocast, progress, "validation", group)
-        phase_seconds = (validation_started - epoch_started, audit.read_clock(device) - validation_started)
+        validation = evaluate(
+            ddp_model, setup.loaders.validation, criterion, device, autocast, progress, "validation", group
+        )
+        train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
+        phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
+        epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
         scheduler.step()
         row = records.epoch_row(
-            epoch, args.mode, trace, train_totals, validation[:2], before, comm_audit.totals(), phase_seconds,
-            peak_bytes, run_id, device, group,
-        )  # fmt: skip
+            epoch, args.mode, validation[:2], comm_audit.totals(), phase_seconds, peak_bytes, run_id, device, group
+        )
         history.append(row)
         if is_writer:
             print(json.dumps(row), flush=True)
             folder.write(records.HISTORY_FILE, records.json_bytes(history))  # a killed run leaves its history so far
         if profiled:
             profiled.write(folder, place, args.profile_windows)
+        epoch = resume.EpochState(epoch.number + 1)
+        session.epoch_end(epoch)  # saves the state; stops here if a rank was asked to
 
     progress.prefix = ""
     test_loss, test_accuracy, confusion = evaluate(
-        ddp_model, loaders.test, criterion, device, autocast, progress, "test", group
+        ddp_model, setup.loaders.test, criterion, device, autocast, progress, "test", group
     )
     if is_writer:
+        session.discard()  # the run is complete: nothing left to resume
         report = records.write_results(
             folder, args, config, confusion, majority, ddp_model.module, setup.source.test_images[0],
             (test_loss, test_accuracy), run_id, started_at,
@@ -322,13 +329,13 @@ def main():
     except LabError as error:
         exit_with(usage_error or error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
     try:
-        with launch.c_stdout_to_stderr():
-            dist.init_process_group("gloo", timeout=launch.COLLECTIVE_TIMEOUT)
+        launch.init_process_group()
         try:
             launch.agree(place, lambda: launch.raise_if(usage_error))  # the options parsed on every node
             run(args, place)
         finally:
-            dist.destroy_process_group()
+            with launch.bounded_teardown(place):
+                dist.destroy_process_group()
     except LabError as error:
         # Every rank stops on it together (see launch.agree); one line per node, from its first process.
         exit_with(error, SCRIPT, show=place.local_rank == 0)

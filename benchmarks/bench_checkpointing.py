@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_checkpointing.py --device cuda        # one GPU, with its peak memory
 
 For each micro-batch size, CifarCNN plain and with its stages checkpointed (model.STAGES, non-reentrant, as
-train.py --activation-checkpointing), in turns: the bytes held from a forward for its backward (counted by
+train.py --activation-checkpointing), in turns: the activations held from a forward for its backward (counted by
 audit.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
 backward at the lab's numerics (--precision, channels_last; median over repeats), and on CUDA the peak
 allocated memory of a micro-batch. No DDP: checkpointing changes nothing that crosses between the ranks (the
@@ -72,7 +72,8 @@ def measure(network, batch_size, args, device, precision):
         samples.append((audit.read_clock(device) - started) / args.micro_batches)
     network.zero_grad(set_to_none=True)
     return {
-        "saved_activation_bytes": sum(held.values()),
+        "saved_activation_bytes": held.activation_bytes,
+        "saved_weight_copy_bytes": held.weight_copy_bytes,
         "seconds_per_micro_batch": samples,
         "peak_allocated_bytes": peak,
     }
@@ -111,10 +112,10 @@ def main():
         f"channels_last; median of {args.repeats} x {args.micro_batches} micro-batches\nprecision: {precision.reason}"
     )
     print(
-        "| micro-batch | saved activations MB, plain | checkpointed | saved / checkpointed | ms, plain | "
-        "checkpointed | recompute cost | peak MB (CUDA), plain | checkpointed |"
+        "| micro-batch | saved activations MB, plain | checkpointed | saved / checkpointed | weight copies MB, plain "
+        "| checkpointed | ms, plain | checkpointed | recompute cost | peak MB (CUDA), plain | checkpointed |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         plain, checkpointed = row["plain"], row["checkpointed"]
         peaks = [
@@ -125,6 +126,7 @@ def main():
             f"| {row['batch_size']} | {plain['saved_activation_bytes'] / 1e6:.2f} | "
             f"{checkpointed['saved_activation_bytes'] / 1e6:.2f} | "
             f"{plain['saved_activation_bytes'] / checkpointed['saved_activation_bytes']:.1f}x | "
+            f"{plain['saved_weight_copy_bytes'] / 1e6:.2f} | {checkpointed['saved_weight_copy_bytes'] / 1e6:.2f} | "
             f"{plain['median_seconds'] * 1000:.1f} | {checkpointed['median_seconds'] * 1000:.1f} | "
             f"{checkpointed['median_seconds'] / plain['median_seconds'] - 1:+.0%} | {peaks[0]} | {peaks[1]} |"
         )

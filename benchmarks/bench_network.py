@@ -108,35 +108,46 @@ def subset_of(data_dir, destination, source_size, test_size):
 
 
 class Nodes:
-    """The two torchrun launchers of one run; each in its own session, so that all of it can be killed."""
+    """The two torchrun launchers of one run; each in its own session, so that all of it can be killed. Their
+    output goes to files (a launcher whose pipe filled while this script waited on the other would stall)."""
 
     def __init__(self):
         self.launchers = []
 
-    def run(self, train_args):
+    def run(self, train_args, logs):
+        """train.py on both nodes; each node's output into logs/node<N>.log. One line naming the node if it fails."""
         cores = sorted(os.sched_getaffinity(0))
         shares = [cores[: max(len(cores) // 2, 1)], cores[len(cores) // 2 :] or cores]
         port = loopback.free_loopback_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        for node, share in enumerate(shares):
-            node_command = loopback.loopback_node_command(node, 2, port, [REPO / "train.py", *train_args])
-            self.launchers.append(
-                subprocess.Popen(
-                    ["taskset", "-c", ",".join(map(str, share)), *node_command],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
+        logs.mkdir(parents=True, exist_ok=True)
+        paths = [logs / f"node{node}.log" for node in range(len(shares))]
+        for share, path in zip(shares, paths):
+            node_command = loopback.loopback_node_command(
+                len(self.launchers), 2, port, [REPO / "train.py", *train_args]
             )
-        try:
-            for node, launcher in enumerate(self.launchers):
-                _, stderr = launcher.communicate(timeout=RUN_TIMEOUT)
-                if launcher.returncode != 0:
-                    raise cli.LabError(
-                        f"node {node} failed (exit {launcher.returncode}): {stderr.strip().splitlines()[-1:]}"
+            with open(path, "w") as log:
+                self.launchers.append(
+                    subprocess.Popen(
+                        ["taskset", "-c", ",".join(map(str, share)), *node_command],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
+                )
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            for node, (launcher, path) in enumerate(zip(self.launchers, paths)):
+                launcher.wait(timeout=max(deadline - time.monotonic(), 1))
+                if launcher.returncode != 0:
+                    lines = [line for line in path.read_text().splitlines() if line.strip()]
+                    ours = [line for line in lines if "train.py: error:" in line] or lines[-1:]
+                    raise cli.LabError(
+                        f"node {node} failed (exit {launcher.returncode}): {ours[0] if ours else ''} ({path})"
+                    )
+        except subprocess.TimeoutExpired:
+            raise cli.LabError(f"the run did not finish within {RUN_TIMEOUT} s; its logs: {paths}") from None
         finally:
             self.stop()
 
@@ -190,14 +201,15 @@ def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
             started = time.monotonic()
             nodes.run(
                 ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
-                 "--accum-steps", accum, "--device", "cpu", "--precision", precision, "--quiet"]
+                 "--accum-steps", accum, "--device", "cpu", "--precision", precision, "--quiet"],
+                logs=output.with_name(f"{output.name}-logs"),
             )  # fmt: skip
             samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
-            precision = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
+            chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
             print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         rows.append({"rate_mbit": rate, "runs": {mode: mean_run(runs) for mode, runs in samples.items()}})
     setup = {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
-    return rows, {**setup, "precision": precision}
+    return rows, {**setup, "precision": chosen}
 
 
 # ----------------------------------------------------------------------------- the model and the results

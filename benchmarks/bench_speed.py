@@ -36,7 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from lab import audit, cli, data, experiment, launch, records  # noqa: E402
+from lab import audit, cli, data, experiment, launch, loaders, records  # noqa: E402
 from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_speed.py"
@@ -296,7 +296,7 @@ def main():
         measured = json.loads(result.stdout.strip().splitlines()[-1])
         floor = measured["seconds_per_micro_batch"]
         with tempfile.TemporaryDirectory(prefix="bench-speed-") as workspace:
-            runs = {loader: lab_run(args, loader, Path(workspace)) for loader in data.LOADERS}
+            runs = {loader: lab_run(args, loader, Path(workspace)) for loader in loaders.LOADERS}
     except cli.LabError as error:
         cli.exit_with(error, SCRIPT)
     device = runs["tensor"]["device"]

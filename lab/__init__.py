@@ -6,9 +6,11 @@ per concern; docs/architecture.md draws what flows between them.
     precision    BF16 autocast or float32, chosen for the hardware
     pictures     the pictures, drawn with Pillow
     records      the run folder written all or nothing, the run's configuration, rows and results, read back
-    data         CIFAR-10's two layouts, the decode cache, the seeded split, the samplers and both loaders
+    data         CIFAR-10's two layouts, the decode cache, the seeded split and the samplers
+    loaders      the two loaders (tensor, PIL) over the split, and an epoch's batches from any batch on
     audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
     launch       where a process runs, and every rank's agreement on options, device, precision and data
+    resume       the run's state saved at epochs' and windows' ends, resumed bit for bit; SIGTERM as a stop
     witness      the profiler as the audit's second witness, and its check
     checks       the facts verify.py checks, one function per artifact or fact
     tables       what verify.py prints and draws once every check has held

@@ -4,6 +4,7 @@ saved-activation count and the epoch's trace of where syncs and steps happened. 
 train.py, where the lesson is.
 """
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -85,24 +86,57 @@ class CommAudit:
         return totals
 
 
+# The step fingerprint: for each of two primes below 2**31, the sum over all values of (the value's float32 bit
+# pattern) x (a weight of its position), modulo the prime. Integer sums are exact, so ranks that hold the same
+# values agree whatever their summation order or thread count; a value changed by one ulp, or two different
+# values swapped, change it.
+FINGERPRINT_PRIMES = (2_147_483_647, 2_147_483_629)
+FINGERPRINT_MULTIPLIERS = (1, 48_271)
+
+
+@functools.cache
+def fingerprint_weights(count, device):
+    """Each lane's position weights: (position x multiplier) mod prime, distinct and non-zero for every
+    position below the prime."""
+    positions = torch.arange(1, count + 1, dtype=torch.int64, device=device)
+    return [positions * multiplier % prime for prime, multiplier in zip(FINGERPRINT_PRIMES, FINGERPRINT_MULTIPLIERS)]
+
+
 def fingerprint(tensors):
-    """The float64 sum and sum of squares of tensors: bit for bit the same on ranks that hold the same values."""
-    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).double()
-    return torch.stack([flat.sum(), flat.square().sum()])
+    """[lane 1, lane 2, non-finite values] of the tensors, an int64 device tensor (no host read)."""
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).float()
+    bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    weights = fingerprint_weights(flat.numel(), flat.device)
+    lanes = [(bits % prime * weight % prime).sum() % prime for prime, weight in zip(FINGERPRINT_PRIMES, weights)]
+    return torch.stack([*lanes, (~torch.isfinite(flat)).sum()])
 
 
-def ranks_agree(gradients_fingerprint, parameters, group):
-    """One small all-reduce: did every rank step on the same gradients and end with the same parameters?
+def before_step(parameters):
+    """The gradients' and the parameters' fingerprints just before optimizer.step()."""
+    return fingerprint(p.grad for p in parameters if p.grad is not None), fingerprint(parameters)
 
-    The maxima of the fingerprints and of their negatives give each value's maximum and minimum over the
-    ranks; they are equal where every rank holds the same. Returns a device tensor [gradients agreed,
-    parameters agreed], read once per epoch.
+
+def ranks_agree(before, parameters, group, stop_requested=False):
+    """One small all-reduce after optimizer.step(): did every rank step on the same gradients, end with the same
+    parameters, hold only finite values, did the step change its parameters, and does a rank ask to stop?
+
+    The maxima of the values and of their negatives give each value's maximum and minimum over the ranks: a
+    fingerprint lane is agreed where they are equal. Returns a device tensor [gradients agreed, parameters
+    agreed, gradients finite, parameters finite, parameters changed, a rank asked to stop], read once per epoch
+    (and where a save reads it: lab/resume.py).
     """
-    mine = torch.cat([gradients_fingerprint, fingerprint(parameters)])
+    gradients, parameters_before = before
+    after = fingerprint(parameters)
+    unchanged = (after[:2] == parameters_before[:2]).all()  # on the device: torch.equal would read it on the host
+    flags = torch.stack([unchanged.to(torch.int64), torch.tensor(int(stop_requested), device=unchanged.device)])
+    mine = torch.cat([gradients, after, flags])
     extremes = torch.cat([mine, -mine])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    agreed = extremes[: mine.numel()] == -extremes[mine.numel() :]
-    return torch.stack([agreed[:2].all(), agreed[2:].all()])
+    highest, lowest = extremes[: mine.numel()], -extremes[mine.numel() :]
+    agreed = highest == lowest
+    return torch.stack(
+        [agreed[0:2].all(), agreed[3:5].all(), highest[2] == 0, highest[5] == 0, highest[6] == 0, highest[7] > 0]
+    )
 
 
 def settle_comm_hooks():
@@ -111,7 +145,8 @@ def settle_comm_hooks():
     A gloo thread needs the GIL to drop a finished callback, and a main thread that destroys a
     ProcessGroupGloo holds the GIL while it joins those threads: torn down right after a hooked all-reduce,
     a process can hang at exit (seen here about one run in three). The barrier waits for every earlier
-    collective; the sleep releases the GIL so that the threads finish with their callbacks.
+    collective; the sleep releases the GIL so that the threads finish with their callbacks. Under load that may
+    not be enough: train.py bounds the teardown itself (launch.bounded_teardown).
     """
     dist.barrier()
     time.sleep(0.1)
@@ -168,23 +203,60 @@ def check_ddp_settings(ddp_model):
         )
 
 
+@dataclass
+class SavedTensors:
+    """What a forward left held for its backward: activations, and (apart) autocast's low-precision copies of
+    the weights, each {storage address: bytes}."""
+
+    activations: dict = field(default_factory=dict)
+    weight_copies: dict = field(default_factory=dict)
+
+    @property
+    def activation_bytes(self):
+        return sum(self.activations.values())
+
+    @property
+    def weight_copy_bytes(self):
+        return sum(self.weight_copies.values())
+
+
+# Views autograd records between a weight's cast and the op that saves it (nn.Linear saves the cast weight
+# transposed).
+VIEW_NODES = {"TBackward0", "TransposeBackward0", "ViewBackward0", "PermuteBackward0"}
+
+
+def copies_a_parameter(tensor, parameters):
+    """Whether a saved tensor is autocast's cast of a parameter (or a view of one): made by a _to_copy whose
+    input is the parameter itself."""
+    node = tensor.grad_fn
+    while node is not None and node.name() in VIEW_NODES:
+        node = node.next_functions[0][0]
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return hasattr(source, "variable") and source.variable.untyped_storage().data_ptr() in parameters
+
+
 @contextmanager
 def saved_activations(model):
-    """Count the bytes that a forward run inside this context leaves held for its backward; yields a dict
-    {storage address: bytes} to sum afterwards.
+    """Count the bytes that a forward run inside this context leaves held for its backward; yields a
+    SavedTensors to read afterwards.
 
     Autograd packs every tensor it saves for the backward through saved_tensors_hooks: each distinct storage is
-    counted once, the model's parameters aside (they are held anyway). Inside a checkpointed stage the
-    checkpoint's own hooks save nothing; the checkpoint holds the stage's input instead, seen here by a
-    forward pre-hook on the stage's first layer. Independent of the allocator: the same on every device.
+    counted once, the model's parameters aside (they are held anyway), and autocast's BF16 copies of them apart
+    (they are weights in another dtype, not activations; without autocast there are none). Inside a
+    checkpointed stage the checkpoint's own hooks save nothing; the checkpoint holds the stage's input instead,
+    seen here by a forward pre-hook on the stage's first layer. Independent of the allocator: the same on every
+    device.
     """
     parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
-    held = {}
+    held = SavedTensors()
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
-            held[storage.data_ptr()] = storage.nbytes()
+            kind = held.weight_copies if copies_a_parameter(tensor, parameters) else held.activations
+            kind[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     entries = [stage[0] for stage in model.stages()] if model.activation_checkpointing else []
@@ -199,24 +271,49 @@ def saved_activations(model):
 
 @dataclass
 class EpochTrace:
-    """Where one rank's epoch synchronized and stepped, and whether the ranks agreed at each step."""
+    """Where one rank's epoch synchronized and stepped, what each step did, and which samples the ranks read."""
 
     saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
     sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
-    agreement: list = field(default_factory=list)  # per step, on the device: [gradients agreed, parameters agreed]
+    agreement: list = field(default_factory=list)  # per step, on the device: ranks_agree's five verdicts
+    sample_shards: dict = field(default_factory=dict)  # shard_coverage's, once the epoch is over
 
-    def rank_agreement(self):
-        """Steps at which the ranks agreed, and the first at which they did not (one host read)."""
+    def step_verdicts(self):
+        """From ranks_agree's verdicts (one host read): the steps at which the ranks agreed and the first at which
+        they did not, the first step with non-finite values, and the steps that changed the parameters."""
         verdicts = torch.stack(self.agreement).tolist() if self.agreement else []
-        first = next((step for step, verdict in enumerate(verdicts, start=1) if not all(verdict)), None)
-        if first is None:
-            return len(verdicts), None
-        gradients_agreed, parameters_agreed = verdicts[first - 1]
-        what = [
-            name for name, agreed in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not agreed
-        ]
-        return sum(map(all, verdicts)), {"optimizer_step": first, "differed": what}
+        first_disagreement = first_nonfinite = None
+        for step, verdict in enumerate(verdicts, 1):
+            gradients_agreed, parameters_agreed, gradients_finite, parameters_finite = verdict[:4]
+            nonfinite = [
+                name for name, ok in (("gradients", gradients_finite), ("parameters", parameters_finite)) if not ok
+            ]
+            differed = [
+                name for name, ok in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not ok
+            ]
+            if nonfinite and first_nonfinite is None:
+                first_nonfinite = {"optimizer_step": step, "in": nonfinite}
+            if differed and first_disagreement is None:
+                first_disagreement = {"optimizer_step": step, "differed": differed}
+        return {
+            "steps_with_ranks_agreed": sum(all(verdict[:2]) for verdict in verdicts),
+            "first_rank_disagreement": first_disagreement,
+            "first_nonfinite_step": first_nonfinite,
+            "steps_that_changed_parameters": sum(bool(verdict[4]) for verdict in verdicts),
+        }
+
+
+def shard_coverage(sampler, split_size):
+    """Which samples the ranks read this epoch, gathered from every rank over the default group (CPU): how many
+    each read, how many distinct ones all read together, of how many in the split. Disjoint shards that cover
+    the split read split_size distinct samples (DistributedSampler pads with repeats to equal shards)."""
+    indices = torch.tensor(list(sampler), dtype=torch.int64)
+    gathered = [torch.empty_like(indices) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, indices)
+    read = torch.cat(gathered)
+    inside = read[(read >= 0) & (read < split_size)]
+    return {"samples_per_rank": indices.numel(), "distinct_samples": inside.unique().numel(), "split_size": split_size}
 
 
 # DDP's errors when a parameter's gradient comes twice in one backward, or never: what reentrant activation

@@ -14,6 +14,7 @@ from lab import experiment
 from lab.precision import NUMERICS
 from lab.records import (
     HISTORY_FILE,
+    REPORT_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,
     AuditError,
@@ -125,6 +126,7 @@ def check_history(path, mode, record, expected_config, sizes, hint):
     )
     if len(history) != expected_config["epochs"]:
         raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}{hint}")
+    starts = wrapper_starts(path, history, len(experiment.epoch_plan(expected_config)))
     for number, row in enumerate(history, start=1):
         for key in ROW_INTEGERS:
             check(is_int(row.get(key)), path, f"epoch row {number}: {key} must be a whole number, got {row.get(key)!r}")
@@ -139,14 +141,30 @@ def check_history(path, mode, record, expected_config, sizes, hint):
         )
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
-        expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes)
+        expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes, starts)
         # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts).
         check_counts(path, number, row, {key: expected.pop(key) for key in POSITION_FIELDS}, mode, hint)
         check_positions(path, number, row, experiment.epoch_plan(expected_config), mode, hint)
-        check_rank_agreement(path, number, row)
+        check_steps(path, number, row)
+        check_shards(path, number, row, record["config"])
         check_counts(path, number, row, expected, mode, hint)
         check_memory_fields(path, number, row, record["config"])
     return history
+
+
+def wrapper_starts(path, history, micro_batches):
+    """Where the run's DDP wrappers started, (epoch, micro-batch) in order: the run's own at (1, 0), then each
+    resume the rows record (resumed_at): a restart's communication is expected from them."""
+    starts = [(1, 0)]
+    for number, row in enumerate(history, start=1):
+        resumed = row.get("resumed_at")
+        check(
+            isinstance(resumed, list) and all(is_int(index) and 0 <= index < micro_batches for index in resumed),
+            path,
+            f"epoch row {number}: resumed_at must be a list of micro-batch indices, got {resumed!r}",
+        )
+        starts += [(number, index) for index in resumed]
+    return starts
 
 
 def check_memory_fields(path, number, row, config):
@@ -184,24 +202,69 @@ def check_same_saved_activations(runs, artifacts):
             )
 
 
-def check_rank_agreement(path, number, row):
-    """At every optimizer step all ranks must have held the same gradients before it and the same
-    parameters after it (train.ranks_agree compares float64 fingerprints across the ranks)."""
+def check_steps(path, number, row):
+    """What every optimizer step did, from every rank's fingerprints (audit.ranks_agree): only finite values,
+    the same gradients before it and the same parameters after it on every rank, and parameters it changed."""
+    nonfinite = row.get("first_nonfinite_step")
+    if nonfinite is not None:
+        check(
+            isinstance(nonfinite, dict)
+            and is_int(nonfinite.get("optimizer_step"))
+            and isinstance(nonfinite.get("in"), list),
+            path,
+            f"epoch row {number}: first_nonfinite_step must be null or {{optimizer_step, in}}, got {nonfinite!r}",
+        )
+        raise AuditError(
+            f"{path}: epoch {number}: at optimizer step {nonfinite['optimizer_step']} the "
+            f"{' and '.join(map(str, nonfinite['in']))} held NaN or infinite values: the run diverged (check the "
+            f"learning rate and the data)"
+        )
     agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")
     check(is_int(agreed), path, f"epoch row {number}: steps_with_ranks_agreed must be a whole number, got {agreed!r}")
-    if first is None and agreed == row["optimizer_steps"]:
-        return
+    if first is not None or agreed != row["optimizer_steps"]:
+        check(
+            isinstance(first, dict) and is_int(first.get("optimizer_step")) and isinstance(first.get("differed"), list),
+            path,
+            f"epoch {number}: the ranks agreed at {agreed} of {row['optimizer_steps']} optimizer steps, and "
+            f"first_rank_disagreement does not say where they did not ({first!r})",
+        )
+        differed = " and ".join(map(str, first["differed"]))
+        raise AuditError(
+            f"{path}: epoch {number}: at optimizer step {first['optimizer_step']} the ranks held different {differed} "
+            f"(agreed at {agreed} of {row['optimizer_steps']} steps): they no longer trained one model"
+        )
+    changed = row.get("steps_that_changed_parameters")
     check(
-        isinstance(first, dict) and is_int(first.get("optimizer_step")) and isinstance(first.get("differed"), list),
+        is_int(changed),
         path,
-        f"epoch {number}: the ranks agreed at {agreed} of {row['optimizer_steps']} optimizer steps, and "
-        f"first_rank_disagreement does not say where they did not ({first!r})",
+        f"epoch row {number}: steps_that_changed_parameters must be a whole number, got {changed!r}",
     )
-    differed = " and ".join(map(str, first["differed"]))
-    raise AuditError(
-        f"{path}: epoch {number}: at optimizer step {first['optimizer_step']} the ranks held different {differed} "
-        f"(agreed at {agreed} of {row['optimizer_steps']} steps): they no longer trained one model"
+    check(
+        changed == row["optimizer_steps"],
+        path,
+        f"epoch {number}: {row['optimizer_steps'] - changed} of {row['optimizer_steps']} optimizer steps changed no "
+        f"parameter: the optimizer did not learn from its gradients (were they lost before the step?)",
     )
+
+
+def check_shards(path, number, row, config):
+    """The ranks read disjoint shards that cover the train split: DistributedSampler gives each rank
+    ceil(split / world size) samples, the padding repeats, and all together read every sample once."""
+    shards, split, world_size = row.get("sample_shards"), config["train_size"], config["world_size"]
+    check(
+        isinstance(shards, dict)
+        and all(is_int(shards.get(key)) for key in ("samples_per_rank", "distinct_samples", "split_size")),
+        path,
+        f"epoch row {number}: sample_shards must hold samples_per_rank, distinct_samples and split_size, got {shards!r}",
+    )
+    expected = {"samples_per_rank": math.ceil(split / world_size), "distinct_samples": split, "split_size": split}
+    if shards != expected:
+        raise AuditError(
+            f"{path}: epoch {number}: the {world_size} ranks read {shards['samples_per_rank']} samples each, "
+            f"{shards['distinct_samples']} distinct of the {split} in the train split (expected "
+            f"{expected['samples_per_rank']} each, all {split} distinct): the ranks' shards overlap or miss samples "
+            f"(a sampler without num_replicas and rank, or its set_epoch on one rank only?)"
+        )
 
 
 def check_counts(path, number, row, expected, mode, hint):
@@ -339,3 +402,26 @@ def check_checksums(folder, record):
             path,
             f"changed after the run finished (size or SHA-256 differs from {RUN_RECORD_FILE}); rerun train.py",
         )
+
+
+def check_real_data(folder, record):
+    """The strict audit: the documented experiment ran on real data, not tools/synthetic_data.py's."""
+    check(
+        record["config"].get("data_synthetic") is False,
+        folder / RUN_RECORD_FILE,
+        f"the run trained on synthetic data (tools/synthetic_data.py wrote {record.get('data_dir')}), not CIFAR-10: "
+        f"run the documented experiment on CIFAR-10, or audit these runs with --expect-from-config",
+    )
+
+
+def check_learned(folder, report):
+    """The strict audit: the documented run's model learned (test accuracy at least
+    experiment.DOCUMENTED_ACCURACY_FLOOR); every count can hold for a run whose gradients never reached its
+    weights."""
+    floor = experiment.DOCUMENTED_ACCURACY_FLOOR
+    check(
+        report["model_test_accuracy"] >= floor,
+        folder / REPORT_FILE,
+        f"test accuracy {report['model_test_accuracy']:.4f} is below {floor} (the majority baseline is "
+        f"{report['baseline_accuracy']:.4f}): the model did not learn",
+    )

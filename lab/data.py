@@ -1,20 +1,18 @@
-"""CIFAR-10 for the lab: the two on-disk layouts, the seeded split, the samplers and the two loaders.
+"""CIFAR-10 for the lab: the two on-disk layouts, the decode cache, the seeded split and the samplers (the
+loaders that read them: lab/loaders.py).
 
-    train.py --loader tensor   the default: the images decoded once, held on the training device as uint8
-                               N x 3 x 32 x 32, cropped, flipped and normalized there, a whole batch at a time
-    train.py --loader pil      the document's pipeline: a DataLoader that crops, flips and normalizes each
-                               image with PIL and torchvision transforms in the training process
-
-Both take the same seeded split and the same DistributedSampler order; with augmentation off they yield
-identical batches (tests/test_loaders.py). An image-folder tree is decoded once into a cache file beside it
-(DECODED_CACHE), keyed by the files' names, sizes and times, and rebuilt when they change.
+An image-folder tree is decoded once into a cache file beside it (DECODED_CACHE), keyed by the files' names,
+sizes and times, rebuilt when they change or when it is damaged (it records the fingerprint of its images
+and labels), and written by one process at a time (nodes may share the folder).
 """
 
+import fcntl
 import hashlib
 import io
-import math
 import os
 import sys
+import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,36 +20,25 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import datasets, transforms
+from torchvision import datasets
 
 from lab.cli import LabError
 from lab.experiment import VALIDATION_FRACTION, split_sizes
 from lab.records import write_atomic
-from model import CLASSES, IMAGE_SIZE, eval_transform, normalize
+from model import CLASSES, IMAGE_SIZE
 
 # The two dataset layouts train.py reads: image folders train/<class>/ and test/<class>/ holding these files,
 # or torchvision's CIFAR-10 (its pickled batches in this folder).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 TORCHVISION_FOLDER = "cifar-10-batches-py"
-LOADERS = ("tensor", "pil")
 CIFAR10_ARCHIVE_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CROP_PADDING = 4
-FLIP_PROBABILITY = 0.5
 DECODED_CACHE = ".decoded-{key}.npz"  # in the image-folder tree's root; the key covers every image file
-CACHE_FORMAT = 1  # part of the key: a change to what the cache holds invalidates old caches
-
-train_transform = transforms.Compose(
-    [
-        transforms.RandomCrop(IMAGE_SIZE, padding=CROP_PADDING),
-        transforms.RandomHorizontalFlip(FLIP_PROBABILITY),
-        transforms.ToTensor(),
-        normalize,
-    ]
-)
-
+CACHE_FORMAT = 2  # part of the key: a change to what the cache holds invalidates old caches
+CACHE_LOCK = ".decoded.lock"  # held while one process checks or writes the cache (nodes may share the folder)
+# Written by tools/synthetic_data.py into the dataset's root: runs on such data say so, and the strict audit
+# refuses them as the documented experiment.
+SYNTHETIC_MARKER = "synthetic.json"
 
 # ----------------------------------------------------------------------------- the dataset in memory
 
@@ -70,6 +57,7 @@ class DataSource:
     train_labels: list
     test_images: np.ndarray
     test_labels: list
+    synthetic: bool = False  # written by tools/synthetic_data.py (SYNTHETIC_MARKER)
 
     @cached_property
     def fingerprint(self):
@@ -85,6 +73,7 @@ class DataSource:
             "train-source images": len(self.train_labels),
             "test images": len(self.test_labels),
             "fingerprint of images and labels": self.fingerprint,
+            "synthetic": self.synthetic,
         }
 
 
@@ -153,9 +142,14 @@ def decoded_cache_path(data_dir, train_files, test_files):
     return data_dir / DECODED_CACHE.format(key=digest.hexdigest()[:16])
 
 
+class DamagedCache(ValueError):
+    """A decode cache that cannot be read, or whose images and labels are not those it recorded."""
+
+
 def write_decoded_cache(cache, source):
-    """Atomically, and the caches of earlier versions of the files removed. A data folder that cannot be
-    written is used as it is: every run then decodes the images again (said once, on stderr)."""
+    """Atomically, with the fingerprint of its images and labels, and the caches of earlier versions of the
+    files removed. A data folder that cannot be written is used as it is: every run then decodes the images
+    again (said once, on stderr)."""
     arrays = io.BytesIO()
     np.savez(
         arrays,
@@ -163,6 +157,7 @@ def write_decoded_cache(cache, source):
         train_labels=np.asarray(source.train_labels, dtype=np.int64),
         test_images=source.test_images,
         test_labels=np.asarray(source.test_labels, dtype=np.int64),
+        fingerprint=np.asarray(source.fingerprint),
     )
     try:
         write_atomic(cache, arrays.getbuffer())
@@ -178,14 +173,36 @@ def write_decoded_cache(cache, source):
 
 
 def read_decoded_cache(cache):
-    with np.load(cache) as arrays:
-        return DataSource(
-            "image-folders",
-            arrays["train_images"],
-            arrays["train_labels"].tolist(),
-            arrays["test_images"],
-            arrays["test_labels"].tolist(),
-        )
+    """The cached DataSource, its images and labels checked against the fingerprint it was written with."""
+    try:
+        with np.load(cache) as arrays:
+            source = DataSource(
+                "image-folders",
+                arrays["train_images"],
+                arrays["train_labels"].tolist(),
+                arrays["test_images"],
+                arrays["test_labels"].tolist(),
+            )
+            recorded = str(arrays["fingerprint"])
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise DamagedCache(f"unreadable: {type(error).__name__}: {error}") from None
+    if source.fingerprint != recorded:
+        raise DamagedCache(f"its images and labels give fingerprint {source.fingerprint}, it recorded {recorded}")
+    return source
+
+
+@contextmanager
+def cache_lock(data_dir):
+    """One process at a time checks or writes the folder's decode cache; nodes that share the folder wait for
+    the one that decodes. A folder where no lock file can be made is used without one (nothing is cached there)."""
+    try:
+        handle = open(data_dir / CACHE_LOCK, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def decode_image_folders(train_files, test_files):
@@ -216,11 +233,21 @@ def check_data_dir(data_dir):
 
 def prepare_data(data_dir):
     """Run by one process per node: download torchvision's CIFAR-10 into data_dir unless the data are there
-    (torchvision checks the archive's and the files' md5 sums), or decode an image-folder tree into its cache."""
+    (torchvision checks the archive's and the files' md5 sums), or decode an image-folder tree into its cache
+    unless a sound one is there (a damaged cache is decoded again, with one line saying so)."""
     check_data_dir(data_dir)
     if is_image_folder_tree(data_dir):
         train_files, test_files, cache = image_folder_files(data_dir)
-        if not cache.is_file():
+        with cache_lock(data_dir):
+            if cache.is_file():
+                try:
+                    read_decoded_cache(cache)
+                    return
+                except DamagedCache as damage:
+                    print(
+                        f"data: the decode cache {cache} is damaged ({damage}); decoding the images again",
+                        file=sys.stderr,
+                    )
             write_decoded_cache(cache, decode_image_folders(train_files, test_files))
         return
     try:
@@ -235,10 +262,19 @@ def load_data(data_dir):
     check_data_dir(data_dir)
     if is_image_folder_tree(data_dir):
         train_files, test_files, cache = image_folder_files(data_dir)
-        return read_decoded_cache(cache) if cache.is_file() else decode_image_folders(train_files, test_files)
-    train = datasets.CIFAR10(data_dir, train=True, download=False)
-    test = datasets.CIFAR10(data_dir, train=False, download=False)
-    return DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))
+        if cache.is_file():
+            try:
+                source = read_decoded_cache(cache)
+            except DamagedCache as damage:
+                raise LabError(f"the decode cache {cache} is damaged ({damage}); remove it and run again") from None
+        else:
+            source = decode_image_folders(train_files, test_files)
+    else:
+        train = datasets.CIFAR10(data_dir, train=True, download=False)
+        test = datasets.CIFAR10(data_dir, train=False, download=False)
+        source = DataSource("torchvision", train.data, list(train.targets), test.data, list(test.targets))
+    source.synthetic = (data_dir / SYNTHETIC_MARKER).is_file()
+    return source
 
 
 # ----------------------------------------------------------------------------- split and samplers
@@ -285,117 +321,3 @@ def make_split(source, seed, rank, world_size):
         range(len(train_indices)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
     )
     return split
-
-
-def rank_share(size, rank, world_size):
-    return range(rank, size, world_size)
-
-
-# ----------------------------------------------------------------------------- the PIL loader
-
-
-class ImageArrayDataset(Dataset):
-    """Images held in memory, served as PIL images through a transform, as torchvision's CIFAR10 does."""
-
-    def __init__(self, images, labels, transform):
-        self.images = images
-        self.labels = labels
-        self.transform = transform
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.transform(Image.fromarray(self.images[index])), self.labels[index]
-
-
-def pil_loader(images, labels, indices, order, batch_size, augment, pin_memory):
-    dataset = Subset(ImageArrayDataset(images, labels, train_transform if augment else eval_transform), indices)
-    if not isinstance(order, DistributedSampler):
-        dataset, order = Subset(dataset, order), None
-    return DataLoader(dataset, sampler=order, batch_size=batch_size, num_workers=0, pin_memory=pin_memory)
-
-
-# ----------------------------------------------------------------------------- the tensor loader
-
-
-def crop_and_flip(images, generator):
-    """RandomCrop(32, padding=4) with zero padding and RandomHorizontalFlip(0.5), for a uint8 B x C x 32 x 32
-    batch at once: one random offset in 0..8 per image and axis, the flip folded into the column index, and
-    one gather from the padded batch."""
-    count, channels, size = images.size(0), images.size(1), images.size(-1)
-    device = images.device
-    padded = F.pad(images, (CROP_PADDING,) * 4)  # zeros, as RandomCrop's default fill
-    padded_size = padded.size(-1)
-    offsets = torch.randint(0, 2 * CROP_PADDING + 1, (2, count, 1), device=device, generator=generator)
-    flipped = torch.rand(count, 1, device=device, generator=generator) < FLIP_PROBABILITY
-    steps = torch.arange(size, device=device)
-    rows = offsets[0] + steps
-    columns = offsets[1] + torch.where(flipped, size - 1 - steps, steps)
-    planes = torch.arange(count * channels, device=device).view(count, channels, 1, 1)  # image and channel
-    flat_index = (planes * padded_size + rows.view(count, 1, size, 1)) * padded_size + columns.view(count, 1, 1, size)
-    return padded.reshape(-1).take(flat_index)
-
-
-class TensorLoader:
-    """Batches of the device's uint8 images in the sampler's order: cropped and flipped (when augmenting),
-    then scaled and normalized exactly as ToTensor and Normalize do, with no host synchronization."""
-
-    def __init__(self, images, labels, indices, order, batch_size, generator):
-        self.images, self.labels = images, labels
-        self.indices, self.order = indices, order
-        self.batch_size = batch_size
-        self.generator = generator  # None: no augmentation
-        self.mean = torch.as_tensor(normalize.mean, device=images.device).view(1, -1, 1, 1)
-        self.std = torch.as_tensor(normalize.std, device=images.device).view(1, -1, 1, 1)
-
-    def __len__(self):
-        return math.ceil(len(self.order) / self.batch_size)
-
-    def __iter__(self):
-        epoch_order = torch.tensor([self.indices[position] for position in self.order])
-        if self.images.is_cuda:  # one asynchronous copy per epoch (a pageable copy would block the host)
-            epoch_order = epoch_order.pin_memory().to(self.images.device, non_blocking=True)
-        for batch in epoch_order.split(self.batch_size):
-            images = self.images[batch]
-            if self.generator is not None:
-                images = crop_and_flip(images, self.generator)
-            yield images.float().div(255).sub(self.mean).div(self.std), self.labels[batch]
-
-
-def device_images(images, labels, device):
-    """torchvision's N x H x W x C uint8 as N x C x H x W on the device, and the labels as int64."""
-    return (
-        torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(device),
-        torch.as_tensor(labels, dtype=torch.int64).to(device),
-    )
-
-
-@dataclass
-class Loaders:
-    train: object
-    validation: object
-    test: object
-
-
-def build_loaders(kind, source, split, batch_size, rank, world_size, device, augment_seed, augment=True):
-    """The train, validation and test loaders of one kind over split. augment=False: the training images as
-    evaluation sees them (the tests compare the two kinds so)."""
-    validation_order = rank_share(len(split.validation), rank, world_size)
-    test_order = rank_share(len(split.test), rank, world_size)
-    if kind == "pil":
-        common = {"batch_size": batch_size, "pin_memory": device.type == "cuda"}
-        train_images, train_labels = source.train_images, source.train_labels
-        return Loaders(
-            pil_loader(train_images, train_labels, split.train, split.train_sampler, augment=augment, **common),
-            pil_loader(train_images, train_labels, split.validation, validation_order, augment=False, **common),
-            pil_loader(source.test_images, source.test_labels, split.test, test_order, augment=False, **common),
-        )
-    train_images, train_labels = device_images(source.train_images, source.train_labels, device)
-    test_images, test_labels = device_images(source.test_images, source.test_labels, device)
-    generator = torch.Generator(device).manual_seed(augment_seed) if augment else None
-    return Loaders(
-        TensorLoader(train_images, train_labels, split.train, split.train_sampler, batch_size, generator),
-        TensorLoader(train_images, train_labels, split.validation, validation_order, batch_size, None),
-        TensorLoader(test_images, test_labels, split.test, test_order, batch_size, None),
-    )

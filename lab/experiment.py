@@ -23,6 +23,10 @@ DOCUMENTED = {
     "validation_size": 10_000,
     "test_size": 10_000,
 }
+# The strict audit's floor for the documented run's test accuracy. Every documented run measured reaches
+# 0.70 to 0.71, in BF16 and in float32, on two CPU kinds; the majority baseline is 0.10, and a run whose
+# gradients never reach its weights stays there. Half-way leaves room for other seeds and hardware.
+DOCUMENTED_ACCURACY_FLOOR = 0.5
 VALIDATION_FRACTION = 5  # the last fifth of the seeded permutation of the train source is validation
 BUCKET_CAP_MB = 25  # explicit: DDP's default would cap the first bucket at 1 MiB and split the gradients in two
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for buffers
@@ -150,27 +154,47 @@ def comm_sizes(model):
     )
 
 
-def buffer_syncs_in_epoch(plan, mode, first_epoch):
+def buffer_syncs_in_epoch(plan, mode, first_epoch, wrapper_starts=()):
     """How often DDP (broadcast_buffers=True) broadcasts the BatchNorm buffers in one epoch.
 
-    DDP broadcasts before a forward when the forward before it was a synchronized training forward (and
-    before the very first forward). Under no_sync only the forward after a window's last micro-batch
+    DDP broadcasts before a forward when the forward before it was a synchronized training forward, and
+    before a new wrapper's first forward (the run's very first; and a resumed run's first, at the micro-batches
+    `wrapper_starts` of this epoch). Under no_sync only the forward after a window's last micro-batch
     qualifies; an evaluation forward (no grad) never does, so each epoch after the first starts without one,
     and its validation pass adds one (its first forward follows the last, synchronized training forward).
     """
-    previous_synchronized = first_epoch
+    starts = set(wrapper_starts) | ({0} if first_epoch else set())
+    previous_synchronized = False
     count = 0
-    for micro_step in plan:
-        count += previous_synchronized
+    for index, micro_step in enumerate(plan):
+        count += previous_synchronized or index in starts
         previous_synchronized = mode == "every" or micro_step.sync
     return count + previous_synchronized
 
 
+def bucket_rebuilds(plan, mode, starts, epochs):
+    """{epoch: rebuilds} of a run whose DDP wrappers started at `starts`, (epoch, micro-batch) in order: the
+    run's first at (1, 0), then each resume. A wrapper rebuilds its buckets once, at its first training forward
+    after its first synchronized backward, if it lives to that forward: before the next start, within the run.
+    """
+    positions = [(epoch, index) for epoch in range(1, epochs + 1) for index in range(len(plan))]
+    synchronized = {index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync}
+    rebuilds = {}
+    for number, start in enumerate(starts):
+        end = starts[number + 1] if number + 1 < len(starts) else (epochs + 1, 0)
+        lived = [position for position in positions if start <= position < end]
+        first_sync = next((offset for offset, (_, index) in enumerate(lived) if index in synchronized), None)
+        if first_sync is not None and first_sync + 1 < len(lived):
+            epoch = lived[first_sync + 1][0]
+            rebuilds[epoch] = rebuilds.get(epoch, 0) + 1
+    return rebuilds
+
+
 def bucket_rebuild_epoch(plan, mode):
-    """The epoch of DDP's bucket rebuild: at the first training forward after the first synchronized one,
-    which falls in epoch 2 when epoch 1 has no training forward after its first sync."""
-    first_synchronized = next(index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync)
-    return 1 if first_synchronized + 1 < len(plan) else 2
+    """The epoch of DDP's bucket rebuild in a run that never stopped: at the first training forward after the
+    first synchronized one, which falls in epoch 2 when epoch 1 has no training forward after its first sync."""
+    (epoch,) = bucket_rebuilds(plan, mode, [(1, 0)], epochs=2)
+    return epoch
 
 
 def epoch_plan(config):
@@ -182,11 +206,14 @@ def epoch_plan(config):
     )
 
 
-def expected_epoch_counts(config, mode, epoch, sizes):
-    """The exact per-rank counts of one epoch (1-based) of a run with this configuration."""
+def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
+    """The exact per-rank counts of one epoch (1-based) of a run with this configuration whose DDP wrappers
+    started at `starts` ((epoch, micro-batch), in order: (1, 0), then each resume)."""
     plan = epoch_plan(config)
     gradient_syncs = len(plan) if mode == "every" else sum(m.sync for m in plan)
-    buffer_syncs = buffer_syncs_in_epoch(plan, mode, first_epoch=epoch == 1)
+    wrapper_starts = [index for start_epoch, index in starts if start_epoch == epoch]
+    buffer_syncs = buffer_syncs_in_epoch(plan, mode, first_epoch=False, wrapper_starts=wrapper_starts)
+    rebuilds = bucket_rebuilds(plan, mode, list(starts), config["epochs"]).get(epoch, 0)
     return {
         "optimizer_steps": sum(m.step for m in plan),
         "gradient_syncs": gradient_syncs,
@@ -194,5 +221,5 @@ def expected_epoch_counts(config, mode, epoch, sizes):
         "allreduce_bytes": gradient_syncs * sizes.gradient_bytes,
         "buffer_broadcast_collectives": buffer_syncs * sizes.buffer_dtype_groups,
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
-        "rebuild_broadcast_collectives": REBUILD_BROADCASTS if epoch == bucket_rebuild_epoch(plan, mode) else 0,
+        "rebuild_broadcast_collectives": REBUILD_BROADCASTS * rebuilds,
     }

@@ -6,28 +6,43 @@ start_up() is train.py's whole set-up in one call: options agreed, device and pr
 checked, data prepared and loaded on each node, the seeded split and this rank's loaders.
 """
 
+import hashlib
 import os
+import platform
 import random
 import socket
+import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torchvision
 
-from lab import data
+from lab import data, loaders
 from lab.cli import ArgumentParser, LabError
 from lab.precision import choose_precision
-from lab.records import is_replaceable_output
+from lab.records import claim_output, is_replaceable_output
 
 SCRIPT = "train.py"
-# Bounds a wait on a stuck (alive but silent) peer, each node's CIFAR-10 download (163 MB) included. A peer
-# that dies is noticed at once: torchrun stops the other processes of its node, and the closed gloo
-# connections stop the other nodes' processes.
+# The start-up's group (gloo, on every device) waits up to 10 minutes for a stuck (alive but silent) peer, each
+# node's CIFAR-10 download (163 MB) included. On CPU the training collectives run in it too: a peer that dies
+# is noticed at once, as torchrun stops the other processes of its node and the closed gloo connections stop
+# the other nodes'.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# On GPUs the training collectives run over NCCL, whose survivors of a dead peer wait in their collective
+# until its timeout: 45 s for the training group (its collectives take milliseconds; the longest gap between
+# two is an evaluation pass), with NCCL's asynchronous error handling on, so that the watchdog ends the
+# process when it expires. A dead peer then ends a job on GPUs within a minute.
+NCCL_TIMEOUT = timedelta(seconds=45)
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+# Closing the process groups can hang: a gloo thread needs the GIL to drop a finished hook callback while the
+# main thread holds it, joining that thread. Beyond this many seconds a watchdog ends the process.
+TEARDOWN_SECONDS = 10
 
 
 class TorchrunArgumentParser(ArgumentParser):
@@ -97,7 +112,9 @@ def choose_device(requested, place):
 
 
 def check_output(output):
-    """Fail before any training if the run folder cannot be written or would overwrite something not ours."""
+    """Fail before any training if the run folder cannot be written, would overwrite something not ours, or is
+    being written by a run still going. Returns the output's claim (records.claim_output), held by rank 0 for
+    the whole run."""
     if output.exists() and not output.is_dir():
         raise LabError(f"--output {output} is a file; pass a folder path, e.g. --output artifacts/every")
     if not is_replaceable_output(output):
@@ -113,6 +130,7 @@ def check_output(output):
         raise LabError(
             f"--output {output} is not writable ({error.strerror}: {error.filename}); pass a folder you can write to"
         ) from None
+    return claim_output(output)
 
 
 # ----------------------------------------------------------------------------- agreement between the ranks
@@ -157,6 +175,26 @@ def require_same(place, claims, what, remedy):
             raise LabError(f"{ranks_label(rank, node)} {what} from rank 0's: {'; '.join(differences)}; {remedy}")
 
 
+LAB_ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_and_versions():
+    """What every node must run alike besides its options: the lab's code (the SHA-256 of train.py, model.py and
+    lab/*.py, in that order) and the versions of Python, torch, torchvision, CUDA and NCCL."""
+    digest = hashlib.sha256()
+    for path in [LAB_ROOT / "train.py", LAB_ROOT / "model.py", *sorted((LAB_ROOT / "lab").glob("*.py"))]:
+        digest.update(f"{path.relative_to(LAB_ROOT)}\n".encode() + path.read_bytes())
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    return {
+        "code sha256": digest.hexdigest()[:16],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+    }
+
+
 def shared_settings(args):
     """The options that must be the same on every node (--output and --data-dir are each node's own)."""
     return {
@@ -174,6 +212,8 @@ def shared_settings(args):
             "precision",
             "activation_checkpointing",
             "profile_windows",
+            "resume",
+            "checkpoint_every_windows",
         )
     }
 
@@ -185,11 +225,13 @@ class Setup:
     device: torch.device
     group: object  # the training collectives' process group (None: the default, gloo)
     backend: str
+    code: dict  # code_and_versions(), the same on every node
     precision: object  # lab.precision.Precision
     hardware: list  # every node's, distinct
+    output_claim: object  # rank 0: the output's lock, held until the process ends; None elsewhere
     source: data.DataSource
     split: data.Split
-    loaders: data.Loaders
+    loaders: loaders.Loaders
 
 
 def start_up(args, place):
@@ -198,11 +240,10 @@ def start_up(args, place):
 
     def settle_here():
         device_type = choose_device(args.device, place)
-        if place.rank == 0:  # only the rank that writes the artifacts touches the output folder
-            check_output(args.output)
-        return device_type
+        # Only the rank that writes the artifacts touches the output folder.
+        return device_type, check_output(args.output) if place.rank == 0 else None
 
-    device_type = agree(place, settle_here)
+    device_type, output_claim = agree(place, settle_here)
     if place.nodes > 1:  # torchrun numbers the nodes itself: say where the artifacts will be
         writer = [(socket.gethostname(), str(args.output.resolve()))]
         dist.broadcast_object_list(writer, src=0)
@@ -217,6 +258,13 @@ def start_up(args, place):
         shared_settings(args),
         "its train.py options differ",
         "start train.py with the same options on every node",
+    )
+    code = code_and_versions()
+    require_same(
+        place,
+        code,
+        "its code or versions differ",
+        "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node",
     )
     require_same(
         place,
@@ -237,14 +285,24 @@ def start_up(args, place):
         f"its data in {args.data_dir}/ differ",
         "give every node the same copy of the dataset",
     )
-    # gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL.
-    group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if device.type == "cuda" else None
+    group = training_group(device)
     seed_everything(args.seed + place.rank)
     split = data.make_split(source, args.seed, place.rank, place.world_size)
-    loaders = data.build_loaders(
+    rank_loaders = loaders.build_loaders(
         args.loader, source, split, args.batch_size, place.rank, place.world_size, device, args.seed + place.rank
     )
-    return Setup(device, group, dist.get_backend(group), precision, hardware, source, split, loaders)
+    backend = dist.get_backend(group)
+    return Setup(device, group, backend, code, precision, hardware, output_claim, source, split, rank_loaders)
+
+
+def training_group(device):
+    """gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL, in a
+    group that gives up on a dead peer within a minute (NCCL_TIMEOUT). None: the default group (gloo)."""
+    if device.type != "cuda":
+        return None
+    for name, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)  # read when the NCCL process group is made
+    return dist.new_group(backend="nccl", timeout=NCCL_TIMEOUT)
 
 
 def agree_on_precision(args, place, device):
@@ -264,6 +322,27 @@ def agree_on_precision(args, place, device):
     if place.local_rank == 0:
         print(f"{SCRIPT}: precision: {precision.reason}", file=sys.stderr)
     return precision, sorted({theirs.hardware for _, _, theirs in gathered})
+
+
+def init_process_group():
+    """The default group, gloo, for the start-up's exchange (and on CPU for training).
+
+    Under torchrun's restarts (--max-restarts) the rendezvous store can outlive the attempts, and its keys with
+    them: gloo would read a dead attempt's addresses (Connection refused). And the nodes' agents need not
+    agree on an attempt's number (TORCHELASTIC_RESTART_COUNT counts one agent's own failures, not a restart
+    forced by another node's). So each attempt's keys go under a prefix every rank derives alike: the how-many-th
+    start of its rank this store has seen, each rank starting once per attempt.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+    start = store.add(f"lab/starts/rank-{rank}", 1)
+    with c_stdout_to_stderr():
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"start-{start}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
 
 
 @contextmanager
@@ -291,3 +370,25 @@ def seed_everything(seed):
 def raise_if(error):
     if error is not None:
         raise error
+
+
+@contextmanager
+def bounded_teardown(place, seconds=TEARDOWN_SECONDS):
+    """Around the process groups' teardown: if it has not returned within `seconds`, a watchdog process (it
+    needs no GIL, which the hung main thread holds) prints one line (from each node's first process) and ends
+    this process. What the run wrote before stays as written."""
+    line = (
+        f"{SCRIPT}: the process groups did not close within {seconds} s (gloo's threads still held the "
+        f"communication hook's callbacks); ending the process (the run's artifacts were written before it)"
+    )
+    say = 'echo "$1" >&2; ' if place.local_rank == 0 else ""
+    watchdog = subprocess.Popen(
+        ["sh", "-c", f"sleep {seconds}; {say}kill -KILL {os.getpid()}", "teardown-watchdog", line],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()

@@ -2,12 +2,15 @@
 run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py.
 """
 
+import fcntl
 import hashlib
 import io
 import json
 import math
 import os
+import re
 import shutil
+import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,7 +33,11 @@ RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and th
 RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
 PROFILE_FILE = "profile.json"
-PROFILE_TRACE_FILE = "profile_trace.json"
+PROFILE_TRACE_FILE = "profile_trace.rank{rank}.json"  # one Chrome trace per rank, as HolisticTraceAnalysis reads them
+
+
+def profile_trace_files(world_size):
+    return [PROFILE_TRACE_FILE.format(rank=rank) for rank in range(world_size)]
 
 
 def new_run_id():
@@ -44,7 +51,8 @@ def utc_now():
 def write_atomic(path, data):
     """Write bytes to path so that a reader sees the old file or the whole new one, never a part."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Unique across the nodes that may share the folder: host, pid (equal in containers) and chance.
+    temporary = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
@@ -109,8 +117,31 @@ def is_replaceable_output(output):
         return True
     if not output.is_dir():
         return False
-    allowed = set(RUN_FILES) | {RUN_RECORD_FILE, PROFILE_FILE, PROFILE_TRACE_FILE}
-    return all(entry.name in allowed for entry in output.iterdir())
+    allowed = set(RUN_FILES) | {RUN_RECORD_FILE, PROFILE_FILE}
+    trace = re.compile(re.escape(PROFILE_TRACE_FILE).replace(re.escape("{rank}"), "[0-9]+"))
+    return all(entry.name in allowed or trace.fullmatch(entry.name) for entry in output.iterdir())
+
+
+def claim_output(output):
+    """Hold the output's lock for as long as this process lives (the returned handle): one run at a time writes
+    into an output, so a second run into it stops at once, naming the first, and the partial folders a new run
+    finds beside the output are provably those of dead runs. The lock file records its holder."""
+    output = Path(output)
+    handle = open(output.parent / f".{output.name}.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise LabError(
+            f"--output {output} is being written by a run that is still going ({holder}); wait for it to finish, "
+            f"or pass another --output"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"train.py, pid {os.getpid()} on {socket.gethostname()}, since {utc_now()}\n")
+    handle.flush()
+    return handle
 
 
 class RunFolder:
@@ -119,7 +150,8 @@ class RunFolder:
     While a run is going, `.every.partial-<run id>/` beside `every/` holds what it has written so far (its
     history after each epoch). Publishing writes run.json last, with the size and SHA-256 of every file, and
     renames the folder into place: a reader finds the previous complete run or the new complete run, never a
-    mix. A killed run leaves only its partial folder, which the next run into the same output removes.
+    mix. A killed run leaves only its partial folder, which the next run into the same output removes (it holds
+    the output's lock, claim_output, so no partial folder it finds can belong to a live run).
 
     Replacing a run takes two renames (the old folder aside as `.every.replaced-<new run id>`, the new one into
     place) and a removal. A crash between them leaves both hidden folders and no `every/`; a crash during the
@@ -132,10 +164,13 @@ class RunFolder:
         self.run_id = run_id
         self.partial = self.output.parent / f".{self.output.name}.partial-{run_id}"
 
-    def begin(self):
+    def begin(self, resuming=False):
+        """Remove what dead runs left beside the output (the claim guarantees they are dead), and make this run's
+        partial folder; a resumed run keeps its own, with what it wrote before."""
         for stale in unfinished_runs(self.output) + replaced_runs(self.output):
-            shutil.rmtree(stale)
-        self.partial.mkdir(parents=True)
+            if not (resuming and stale == self.partial):
+                shutil.rmtree(stale)
+        self.partial.mkdir(parents=True, exist_ok=resuming)
 
     def write(self, name, data):
         write_atomic(self.partial / name, data)
@@ -176,6 +211,7 @@ def run_config(args, place, setup):
         "data_layout": setup.source.layout,
         "loader": args.loader,
         "data_fingerprint": setup.source.fingerprint,
+        "data_synthetic": setup.source.synthetic,
         "activation_checkpointing": args.activation_checkpointing,
         "device": setup.device.type,
         "backend": setup.backend,
@@ -184,27 +220,27 @@ def run_config(args, place, setup):
         "bucket_cap_mb": BUCKET_CAP_MB,
         "broadcast_buffers": True,
         "torch": torch.__version__,
+        "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }
 
 
-def epoch_row(
-    epoch, mode, trace, train_totals, validation, before, after, phase_seconds, peak_bytes, run_id, device, group
-):
-    """The epoch's JSON line: the document's fields first, then the rest of the audit.
+def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id, device, group):
+    """The epoch's JSON line from `epoch` (resume.EpochState: its trace, totals, the audit's totals at its start
+    and where it resumed): the document's fields first, then the rest of the audit.
 
     Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
     rank's (every rank takes part in every collective, so they are the same on all).
     """
+    trace, before = epoch.trace, epoch.audit_before
     comm_seconds = after["comm_seconds"] - before["comm_seconds"]
     seconds = torch.tensor([*phase_seconds, comm_seconds], dtype=torch.float64, device=device)
-    summed = torch.cat([train_totals, seconds])
+    summed = torch.cat([epoch.totals, seconds])
     dist.all_reduce(summed, group=group)
     loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, comm_seconds_sum = summed.tolist()
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
-    agreed_steps, first_disagreement = trace.rank_agreement()
     return {
-        "epoch": epoch,
+        "epoch": epoch.number,
         "mode": mode,
         "optimizer_steps": len(trace.step_positions),
         "gradient_syncs": after["gradient_syncs"] - before["gradient_syncs"],
@@ -220,8 +256,12 @@ def epoch_row(
         # Where, not only how many (rank 0's): micro-batch indices as [start, stop, step] runs.
         "gradient_sync_positions": as_progressions(trace.sync_positions),
         "optimizer_step_positions": as_progressions(trace.step_positions),
-        "steps_with_ranks_agreed": agreed_steps,
-        "first_rank_disagreement": first_disagreement,
+        # What each step did (every rank's fingerprints, one small all-reduce per step) and what the ranks read.
+        **trace.step_verdicts(),
+        "sample_shards": trace.sample_shards,
+        # Where this epoch's training resumed after a stop (micro-batch indices; the restart's own
+        # communication, a new DDP wrapper's first buffer broadcast and bucket rebuild, is in the counts).
+        "resumed_at": epoch.resumed_at,
         # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
         "saved_activation_bytes": trace.saved_activation_bytes,
         "peak_allocated_bytes": peak_bytes,

@@ -21,6 +21,7 @@ from lab.records import (
     is_int,
     is_number,
     json_bytes,
+    profile_trace_files,
     read_json,
 )
 
@@ -73,57 +74,24 @@ class WindowProfiler:
         self.profiler.step()  # the schedule counts micro-batches: its step n is micro-batch n
 
     def summary(self, rank):
-        """What this rank's profiler saw in the recorded micro-batches, and what its audit counted there.
-
-        Times are seconds from the start of the first recorded micro-batch. Each c10d call is paired, in
-        order, with its execution (gloo runs a group's collectives in the order they were called; NCCL's
-        kernels run in stream order).
-        """
-        events = self.profiler.events()
-        micro_batches = sorted((e for e in events if e.name.startswith(MICRO_BATCH_LABEL)), key=event_start)
-        origin = event_start(micro_batches[0])
-        agreement_spans = [e.time_range for e in events if e.name == RANK_AGREEMENT_LABEL]
-        calls, executions, collectives = {}, {}, []
-        for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
-            called = sorted((e for e in events if e.name == call_name), key=event_start)
-            executed = sorted((e for e in events if is_execution(e, gloo_name, nccl_word)), key=event_start)
-            calls[call_name], executions[call_name] = len(called), len(executed)
-            for call, execution in zip(called, executed):
-                kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
-                if any(span.start <= event_start(call) <= span.end for span in agreement_spans):
-                    kind = "rank-agreement all-reduce"
-                collectives.append([kind, *relative_span(execution, origin)])
-        spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
-        collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
-        for kind, start, end in collectives:
-            collective_seconds[kind] += end - start
-        # A micro-batch's compute: its span less the collectives' executions within it (on CPU the main thread
-        # waits for them at the end of a synchronized backward).
-        compute = [
-            end - start - sum(max(0.0, min(end, stop) - max(start, begin)) for _, begin, stop in collectives)
-            for _, start, end in spans
-        ]
-        return {
-            "rank": rank,
-            "calls": calls,
-            "executions": executions,
-            "collective_seconds": collective_seconds,
-            "compute_seconds_per_micro_batch": sum(compute) / len(compute),
-            "micro_batches": spans,
-            "collectives": sorted(collectives, key=lambda collective: collective[1]),
-            "audit": {key: self.audit_after[key] - self.audit_before[key] for key in self.audit_after},
-        }
+        """What this rank's profiler saw in the recorded micro-batches, and what its audit counted there."""
+        audit = {key: self.audit_after[key] - self.audit_before[key] for key in self.audit_after}
+        return summarize(self.profiler.events(), rank, audit)
 
     def write(self, folder, place, windows):
-        """Every rank's summary to rank 0, which writes them (profile.json) and its own trace (Perfetto)."""
-        summaries = [None] * place.world_size
-        dist.all_gather_object(summaries, self.summary(place.rank))
+        """Every rank's summary and Chrome trace to rank 0, which writes them: profile.json, and one trace per
+        rank (its distributedInfo names the rank: Perfetto opens each, HolisticTraceAnalysis reads them all)."""
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = Path(scratch) / PROFILE_TRACE_FILE.format(rank=place.rank)
+            self.profiler.export_chrome_trace(str(trace))
+            mine = (self.summary(place.rank), trace.read_bytes())
+        gathered = [None] * place.world_size
+        dist.all_gather_object(gathered, mine)
         if place.rank != 0:
             return
-        with tempfile.TemporaryDirectory() as scratch:
-            trace = Path(scratch) / PROFILE_TRACE_FILE
-            self.profiler.export_chrome_trace(str(trace))
-            folder.write(PROFILE_TRACE_FILE, trace.read_bytes())
+        for rank, (_, trace_bytes) in enumerate(gathered):
+            folder.write(PROFILE_TRACE_FILE.format(rank=rank), trace_bytes)
+        summaries = [summary for summary, _ in gathered]
         record = {"windows": windows, "micro_batches": [self.first, self.stop], "ranks": summaries}
         folder.write(PROFILE_FILE, json_bytes(record))
 
@@ -144,6 +112,52 @@ def event_start(event):
 
 def relative_span(event, origin):
     return [(event.time_range.start - origin) / 1e6, (event.time_range.end - origin) / 1e6]
+
+
+def summarize(events, rank, audit):
+    """One rank's summary of the profiled micro-batches from its profiler events (anything with .name,
+    .device_type and .time_range), beside `audit`, the audit's counts for the same micro-batches.
+
+    The labels (micro-batches, the ranks' agreement) are taken from CPU-side events alone: on CUDA each
+    record_function range appears a second time as a device-side annotation of the same name, which would count
+    every micro-batch twice. Times are seconds from the start of the first recorded micro-batch. Each c10d call
+    is paired, in order, with its execution (gloo runs a group's collectives in the order they were called;
+    NCCL's kernels run in stream order).
+    """
+    labels = [event for event in events if event.device_type == torch.autograd.DeviceType.CPU]
+    micro_batches = sorted((e for e in labels if e.name.startswith(MICRO_BATCH_LABEL)), key=event_start)
+    origin = event_start(micro_batches[0])
+    agreement_spans = [e.time_range for e in labels if e.name == RANK_AGREEMENT_LABEL]
+    calls, executions, collectives = {}, {}, []
+    for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
+        called = sorted((e for e in events if e.name == call_name), key=event_start)
+        executed = sorted((e for e in events if is_execution(e, gloo_name, nccl_word)), key=event_start)
+        calls[call_name], executions[call_name] = len(called), len(executed)
+        for call, execution in zip(called, executed):
+            kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
+            if any(span.start <= event_start(call) <= span.end for span in agreement_spans):
+                kind = "rank-agreement all-reduce"
+            collectives.append([kind, *relative_span(execution, origin)])
+    spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
+    collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
+    for kind, start, end in collectives:
+        collective_seconds[kind] += end - start
+    # A micro-batch's compute: its span less the collectives' executions within it (on CPU the main thread
+    # waits for them at the end of a synchronized backward).
+    compute = [
+        end - start - sum(max(0.0, min(end, stop) - max(start, begin)) for _, begin, stop in collectives)
+        for _, start, end in spans
+    ]
+    return {
+        "rank": rank,
+        "calls": calls,
+        "executions": executions,
+        "collective_seconds": collective_seconds,
+        "compute_seconds_per_micro_batch": sum(compute) / len(compute),
+        "micro_batches": spans,
+        "collectives": sorted(collectives, key=lambda collective: collective[1]),
+        "audit": audit,
+    }
 
 
 def is_execution(event, gloo_name, nccl_word):
@@ -169,6 +183,8 @@ def check_profile(folder, record, history):
         return None
     profile = read_json(path)
     config = record["config"]
+    missing = [name for name in profile_trace_files(config["world_size"]) if name not in record["files"]]
+    check(not missing, folder / RUN_RECORD_FILE, f"does not list the profiled run's traces {missing}")
     accum_steps = config["accum_steps"]
     windows = profile.get("windows") if isinstance(profile, dict) else None
     check(is_int(windows) and windows > 0, path, f"windows must be a positive whole number, got {windows!r}")
@@ -201,6 +217,13 @@ def check_profile(folder, record, history):
             f"rank {rank}: calls, executions and audit must hold whole-number counts",
         )
         check_profile_spans(path, rank, summary)
+        labelled = sorted(micro_batch[0] for micro_batch in summary["micro_batches"])
+        check(
+            labelled == list(range(first, stop)),
+            path,
+            f"rank {rank}: the profiled micro-batches are labelled {labelled}, not once each {first} to {stop - 1} "
+            f"(device-side copies of the labels counted too?)",
+        )
         check(
             audit["gradient_syncs"] == syncs,
             path,

@@ -4,6 +4,7 @@ nodes in a network namespace of its own, a 50 Mbit/s link) that leaves nothing b
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,26 @@ def test_the_model_predicts_from_compute_and_sync_time():
     assert slow["relative_error"] == pytest.approx(1.6 / 1.6 - 1)
     s_unlimited, bits = bench_network.link_fit(table)
     assert s_unlimited == pytest.approx(0.01) and bits == pytest.approx(0.24 * 50e6)
+
+
+def test_a_node_that_writes_much_cannot_stall_the_other(tmp_path, monkeypatch):
+    """Node 1 writes 1 MB (a pipe holds 64 KB) and node 0 waits for node 1 to end, as nodes wait for each other
+    in a collective: with the launchers' output in files, neither waits on the benchmark to read it."""
+    done = tmp_path / "node1-done"
+
+    def waiting_nodes(node, nodes, port, script_args):
+        if node == 1:
+            code = f"import sys, pathlib; sys.stderr.write('x' * 1_000_000); pathlib.Path({str(done)!r}).touch()"
+        else:
+            code = f"import time, pathlib\nwhile not pathlib.Path({str(done)!r}).exists(): time.sleep(0.05)"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(bench_network.loopback, "loopback_node_command", waiting_nodes)
+    monkeypatch.setattr(bench_network, "RUN_TIMEOUT", 30)
+    started = time.monotonic()
+    bench_network.Nodes().run([], logs=tmp_path / "logs")
+    assert time.monotonic() - started < 20
+    assert (tmp_path / "logs" / "node1.log").stat().st_size == 1_000_000
 
 
 @pytest.mark.parametrize(

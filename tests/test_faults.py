@@ -135,43 +135,43 @@ def rank_pid(launcher, rank):
     raise AssertionError(f"no rank {rank} under torchrun {launcher}")
 
 
-def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs, image_data, tmp_path):
-    artifacts, _ = lab_runs
-    output = tmp_path / "every"
-    shutil.copytree(artifacts / "every", output)
-    previous_run = read_json(output / records.RUN_RECORD_FILE)["run_id"]
+def start_long_run(output, image_data):
+    """train.py into `output` for 50 epochs, in a session of its own, returned once training is under way."""
     launcher = subprocess.Popen(
-        [
-            *TORCHRUN,
-            str(REPO / "train.py"),
-            "--mode",
-            "every",
-            "--output",
-            str(output),
-            "--data-dir",
-            str(image_data),
-            *SMALL_RUN,
-            "--epochs",
-            "50",
-            "--progress-every",
-            "0",
-        ],
+        [*TORCHRUN, str(REPO / "train.py"), "--mode", "every", "--output", str(output), "--data-dir", str(image_data),
+         *SMALL_RUN, "--epochs", "50", "--progress-every", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=subprocess_env(),
         cwd=REPO,
-    )
+        start_new_session=True,
+    )  # fmt: skip
+    for line in launcher.stderr:  # wait until training is under way
+        if "train:" in line:
+            break
+    return launcher
+
+
+def stop_run(launcher):
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+
+
+def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs, image_data, tmp_path):
+    artifacts, _ = lab_runs
+    output = tmp_path / "every"
+    shutil.copytree(artifacts / "every", output)
+    previous_run = read_json(output / records.RUN_RECORD_FILE)["run_id"]
+    launcher = start_long_run(output, image_data)
     try:
-        for line in launcher.stderr:  # wait until training is under way
-            if "train:" in line:
-                break
         os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
         killed_at = time.monotonic()
         _, rest = launcher.communicate(timeout=120)
         elapsed = time.monotonic() - killed_at
     finally:
-        launcher.kill()
+        stop_run(launcher)
     assert launcher.returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
@@ -183,6 +183,26 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert f"every: run {previous_run}" in audit.stdout
     assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout
+
+
+def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_alone(image_data, tmp_path):
+    """Before, the second run removed every partial folder beside the output, the first run's included, and
+    the first died mid-training. Now the first holds the output's lock; the second stops naming it."""
+    output = tmp_path / "every"
+    first = start_long_run(output, image_data)
+    try:
+        started = time.monotonic()
+        result = train(image_data, output, "every", "--quiet")
+        assert time.monotonic() - started < 60
+        assert_train_error(
+            result,
+            f"train.py: error: --output {output} is being written by a run that is still going (train.py, pid",
+            "wait for it to finish, or pass another --output",
+        )
+        assert first.poll() is None, "the first run died"
+        assert len(records.unfinished_runs(output)) == 1  # the first run's partial folder, untouched
+    finally:
+        stop_run(first)
 
 
 def test_a_rank_that_raises_takes_the_job_down(image_data, tmp_path):

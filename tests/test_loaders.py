@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, train, verify
-from lab import data, records
+from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, train, verify
+from lab import cli, data, loaders, records
 from tools import synthetic_data
 
 CPU = torch.device("cpu")
@@ -38,16 +38,16 @@ def crop_offsets_and_flips(cropped):
         rows, columns = image[0], image[1]
         r, c = [int(index) for index in torch.nonzero(rows * columns)[0]]  # the first pixel that is not padding
         flipped = bool(columns[r, c + 1] < columns[r, c])  # columns grow left to right in the original
-        row_offset = int(rows[r, c]) - 1 - r + data.CROP_PADDING
+        row_offset = int(rows[r, c]) - 1 - r + loaders.CROP_PADDING
         column = SIZE - 1 - c if flipped else c
-        column_offset = int(columns[r, c]) - 1 - column + data.CROP_PADDING
+        column_offset = int(columns[r, c]) - 1 - column + loaders.CROP_PADDING
         found.append((row_offset, column_offset, flipped))
     return found
 
 
 def test_crop_pads_with_zeros_covers_every_offset_and_flips_half():
     images = position_images(2000)
-    cropped = data.crop_and_flip(images, torch.Generator().manual_seed(1))
+    cropped = loaders.crop_and_flip(images, torch.Generator().manual_seed(1))
     assert cropped.shape == images.shape and cropped.dtype == torch.uint8
     found = crop_offsets_and_flips(cropped)
     assert {row for row, _, _ in found} == set(range(9))
@@ -56,7 +56,7 @@ def test_crop_pads_with_zeros_covers_every_offset_and_flips_half():
     assert 0.46 < flip_rate < 0.54, flip_rate
     for image, (row_offset, column_offset, flipped) in zip(cropped, found):
         # Rebuild the expected crop from the offsets: the padding is zero, the rest the image's own pixels.
-        padded = torch.nn.functional.pad(images[0], (data.CROP_PADDING,) * 4)
+        padded = torch.nn.functional.pad(images[0], (loaders.CROP_PADDING,) * 4)
         expected = padded[:, row_offset : row_offset + SIZE, column_offset : column_offset + SIZE]
         assert torch.equal(image, expected.flip(2) if flipped else expected)
         assert image[2].unique().tolist() in ([7], [0, 7])  # padding is 0 and nothing else
@@ -64,10 +64,10 @@ def test_crop_pads_with_zeros_covers_every_offset_and_flips_half():
 
 def test_crop_draws_from_its_generator_only():
     images = position_images(64)
-    first = data.crop_and_flip(images, torch.Generator().manual_seed(5))
+    first = loaders.crop_and_flip(images, torch.Generator().manual_seed(5))
     torch.manual_seed(123)  # the global generator plays no part
-    assert torch.equal(first, data.crop_and_flip(images, torch.Generator().manual_seed(5)))
-    assert not torch.equal(first, data.crop_and_flip(images, torch.Generator().manual_seed(6)))
+    assert torch.equal(first, loaders.crop_and_flip(images, torch.Generator().manual_seed(5)))
+    assert not torch.equal(first, loaders.crop_and_flip(images, torch.Generator().manual_seed(6)))
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,8 @@ def small_source(tmp_path_factory):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_without_augmentation_both_loaders_yield_identical_batches(small_source, rank):
     split = data.make_split(small_source, seed=47, rank=rank, world_size=2)
-    pil = data.build_loaders("pil", small_source, split, 16, rank, 2, CPU, augment_seed=47, augment=False)
-    tensor = data.build_loaders("tensor", small_source, split, 16, rank, 2, CPU, augment_seed=47, augment=False)
+    pil = loaders.build_loaders("pil", small_source, split, 16, rank, 2, CPU, augment_seed=47, augment=False)
+    tensor = loaders.build_loaders("tensor", small_source, split, 16, rank, 2, CPU, augment_seed=47, augment=False)
     for epoch in range(2):
         split.train_sampler.set_epoch(epoch)
         for part in ("train", "validation", "test"):
@@ -95,8 +95,8 @@ def test_without_augmentation_both_loaders_yield_identical_batches(small_source,
 
 def test_with_augmentation_both_loaders_keep_the_samplers_order(small_source):
     split = data.make_split(small_source, seed=47, rank=0, world_size=2)
-    pil = data.build_loaders("pil", small_source, split, 16, 0, 2, CPU, augment_seed=47)
-    tensor = data.build_loaders("tensor", small_source, split, 16, 0, 2, CPU, augment_seed=47)
+    pil = loaders.build_loaders("pil", small_source, split, 16, 0, 2, CPU, augment_seed=47)
+    tensor = loaders.build_loaders("tensor", small_source, split, 16, 0, 2, CPU, augment_seed=47)
     epochs = []
     for epoch in range(2):
         split.train_sampler.set_epoch(epoch)
@@ -104,7 +104,7 @@ def test_with_augmentation_both_loaders_keep_the_samplers_order(small_source):
         tensor_batches = list(tensor.train)
         assert torch.equal(torch.cat([labels for _, labels in tensor_batches]), pil_labels)
         epochs.append(pil_labels)
-        unaugmented = data.build_loaders("tensor", small_source, split, 16, 0, 2, CPU, 47, augment=False).train
+        unaugmented = loaders.build_loaders("tensor", small_source, split, 16, 0, 2, CPU, 47, augment=False).train
         changed = [not torch.equal(a, b) for (a, _), (b, _) in zip(tensor_batches, unaugmented)]
         assert all(changed)  # every batch was cropped or flipped
     assert not torch.equal(epochs[0], epochs[1])  # set_epoch reshuffles
@@ -151,6 +151,75 @@ def test_a_cache_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_pat
     assert line.endswith("(No space left on device); every run will decode them")
     assert not list(root.glob(".decoded-*")) and not list(root.glob(".*tmp-*"))
     assert data.load_data(root).summary()["train-source images"] == 40
+
+
+def test_a_damaged_cache_is_decoded_again_with_one_line(tmp_path, capsys):
+    """A cache cut short (a node that died while copying it, a full disk elsewhere) is not read as data: the
+    node's first process decodes the images again and says so once; a rank that meets it is one line."""
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 40, 20)
+    data.prepare_data(root)
+    (cache,) = root.glob(".decoded-*.npz")
+    sound = data.load_data(root)
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    with pytest.raises(cli.LabError) as caught:
+        data.load_data(root)
+    assert str(caught.value).startswith(f"the decode cache {cache} is damaged (unreadable: ")
+    assert str(caught.value).endswith("; remove it and run again")
+    capsys.readouterr()
+    data.prepare_data(root)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"data: the decode cache {cache} is damaged (unreadable: ") and line.endswith(
+        "decoding the images again"
+    )
+    assert data.load_data(root).fingerprint == sound.fingerprint
+
+
+def test_a_cache_whose_contents_changed_is_not_taken(tmp_path):
+    """A readable cache whose images are not those it recorded (written over in place): its fingerprint says so."""
+    root = tmp_path / "data"
+    synthetic_data.write_dataset(root, "image-folders", 40, 20)
+    data.prepare_data(root)
+    (cache,) = root.glob(".decoded-*.npz")
+    with np.load(cache) as arrays:
+        parts = dict(arrays)
+    parts["train_images"][0, 0, 0, 0] ^= 1
+    with open(cache, "wb") as handle:
+        np.savez(handle, **parts)
+    with pytest.raises(data.DamagedCache, match="its images and labels give fingerprint"):
+        data.read_decoded_cache(cache)
+
+
+def test_temporary_names_are_unique_even_for_equal_pids(tmp_path, monkeypatch):
+    """Nodes that share a folder may run processes of equal pid (containers): their temporary files differ."""
+    used = []
+    real_replace = os.replace
+    monkeypatch.setattr(records.os, "getpid", lambda: 7)
+    monkeypatch.setattr(
+        records.os, "replace", lambda source, target: used.append(source) or real_replace(source, target)
+    )
+    for _ in range(2):
+        records.write_atomic(tmp_path / "cache.npz", b"data")
+    assert len(set(used)) == 2
+
+
+def test_nodes_sharing_one_data_folder_decode_it_once(tmp_path, image_data):
+    """Two nodes, one data folder (a shared filesystem), no cache yet: one node decodes while the other waits
+    for it, and both train on the one cache."""
+    from test_nodes import same_run, two_nodes
+
+    shared = tmp_path / "shared-data"
+    shutil.copytree(image_data, shared, ignore=shutil.ignore_patterns(".decoded*"))
+    decodes = tmp_path / "decodes.log"
+    node_folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in node_folders:
+        folder.mkdir()
+    args, _ = same_run("every", ["--data-dir", str(shared), "--epochs", "1"])
+    results, _ = two_nodes(node_folders, args, args, env=subprocess_env(LAB_TEST_COUNT_DECODES=str(decodes)))
+    for result in results:
+        assert_ok(result)
+    assert len(decodes.read_text().splitlines()) == 1
+    assert len(list(shared.glob(".decoded-*.npz"))) == 1 and not list(shared.glob(".*tmp-*"))
 
 
 def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_loaders(lab_runs, image_data, tmp_path):

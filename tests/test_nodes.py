@@ -32,13 +32,14 @@ from tools import loopback
 NODE_FAILURE_SECONDS = 60
 
 
-def start_nodes(folders, *node_args, env=None, node_env=({}, {})):
-    """train.py on two nodes, node r started in folders[r] with node_args[r] and node_env[r] added to env."""
+def start_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO, REPO), restarts=0):
+    """train.py on two nodes, node r started in folders[r] with node_args[r], node_env[r] added to env, from
+    checkouts[r] (the lab's own by default); torchrun restarts failed workers `restarts` times."""
     port = loopback.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
-    for node, (folder, args, own_env) in enumerate(zip(folders, node_args, node_env)):
-        command = loopback.loopback_node_command(node, 2, port, [REPO / "train.py", *args])
+    for node, (folder, args, own_env, checkout) in enumerate(zip(folders, node_args, node_env, checkouts)):
+        command = loopback.loopback_node_command(node, 2, port, [checkout / "train.py", *args], restarts)
         # One core per node, as torchrun itself sets for several processes on one machine.
         node_variables = {**env, "OMP_NUM_THREADS": "1", **own_env}
         launchers.append(
@@ -64,8 +65,8 @@ def finish(launchers, timeout=300):
     return results, seconds
 
 
-def two_nodes(folders, *node_args, env=None, node_env=({}, {})):
-    return finish(start_nodes(folders, *node_args, env=env, node_env=node_env))
+def two_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO, REPO)):
+    return finish(start_nodes(folders, *node_args, env=env, node_env=node_env, checkouts=checkouts))
 
 
 def node_folders(tmp_path, image_data):
@@ -210,4 +211,47 @@ def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
         results,
         seconds,
         "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
+    )
+
+
+def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data):
+    """One process per node leaves the thread count to the node: 1 here, 2 there. Their sums differ in the last
+    bits; the step fingerprints (exact integer sums of the values' bits) do not, and verify.py passes both modes."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    threads = ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"})
+    for mode in ("every", "no_sync"):
+        results, _ = two_nodes([node0, node1], *same_run(mode), node_env=threads)
+        for result in results:
+            assert_ok(result)
+    result = verify(node0 / "artifacts")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for mode in ("every", "no_sync"):
+        rows = read_json(node0 / "artifacts" / mode / "history.json")
+        assert [row["steps_with_ranks_agreed"] for row in rows] == [row["optimizer_steps"] for row in rows]
+
+
+def test_a_node_running_other_code_stops_both(tmp_path, image_data):
+    """Node 1 runs a stale checkout: its lab/audit.py differs by one comment."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    stale = tmp_path / "stale-checkout"
+    shutil.copytree(
+        REPO, stale, ignore=shutil.ignore_patterns(".git", ".venv*", "artifacts", "data", "__pycache__", "tests")
+    )
+    with open(stale / "lab" / "audit.py", "a") as source:
+        source.write("# an edit this node alone has\n")
+    results, seconds = two_nodes([node0, node1], *same_run("every"), checkouts=(REPO, stale))
+    assert_both_nodes_stop(
+        results,
+        seconds,
+        "[rank 1, node 1] its code or versions differ from rank 0's: code sha256",
+        "run one checkout of the lab",
+    )
+
+
+def test_a_node_with_another_torch_stops_both(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    env = subprocess_env(LAB_TEST_NODE_TORCH_VERSION="1:2.7.0")
+    results, seconds = two_nodes([node0, node1], *same_run("every"), env=env)
+    assert_both_nodes_stop(
+        results, seconds, f"its code or versions differ from rank 0's: torch 2.7.0 vs {torch.__version__}"
     )

@@ -1,6 +1,7 @@
 """train.py --profile-windows: the PyTorch profiler records windows 3 and 4 of epoch 1 of the shared runs
 (conftest.PROFILED), and verify.py checks that its c10d calls are the audit's, rank by rank."""
 
+import itertools
 import json
 
 import pytest
@@ -49,10 +50,10 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
             )
 
 
-def test_the_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):
+def test_each_ranks_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):
     artifacts, _ = lab_runs
-    for mode, calls in EXPECTED_CALLS.items():
-        events = json.loads((artifacts / mode / records.PROFILE_TRACE_FILE).read_bytes())["traceEvents"]
+    for (mode, calls), trace in itertools.product(EXPECTED_CALLS.items(), records.profile_trace_files(2)):
+        events = json.loads((artifacts / mode / trace).read_bytes())["traceEvents"]
         names = [event.get("name") for event in events]
         assert sorted(name for name in names if name.startswith("micro-batch ")) == sorted(
             f"micro-batch {i}" for i in range(8, 16)

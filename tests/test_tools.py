@@ -1,5 +1,7 @@
 """The helper commands: the environment check, the synthetic data writer and `make clean`."""
 
+import importlib.util
+import json
 import shutil
 import subprocess
 
@@ -61,3 +63,27 @@ def test_one_device_policy_per_node(monkeypatch):
     assert launch.node_device(2) == ("cpu", 1)  # one GPU for two processes: CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launch.node_device(1) == ("cpu", 0)
+
+
+def test_the_hta_check_reads_every_ranks_trace_or_says_what_it_needs(lab_runs, tmp_path):
+    """tools/hta_check.py (optional: HolisticTraceAnalysis is not among the requirements). A run folder without
+    traces, and a trace that does not name its rank, are one line; the shared profiled runs are read by HTA
+    where it is installed, and otherwise the line says how to install it."""
+    artifacts, _ = lab_runs
+    assert_one_line_error(run_python("tools/hta_check.py", tmp_path), f"{tmp_path}/run.json is missing")
+    result = run_python("tools/hta_check.py", artifacts / "no_sync")
+    if importlib.util.find_spec("hta") is None:
+        assert_one_line_error(
+            result, "HolisticTraceAnalysis is not installed: pip install HolisticTraceAnalysis==0.5.0"
+        )
+    else:
+        assert result.returncode == 0, result.stderr
+        assert f"HTA loaded the traces of ranks [0, 1] from {artifacts / 'no_sync'}" in result.stdout
+        assert "no GPU kernels in these traces (a CPU run)" in result.stdout
+    copy = tmp_path / "copy"
+    shutil.copytree(artifacts / "no_sync", copy)
+    trace = copy / "profile_trace.rank1.json"
+    content = json.loads(trace.read_bytes())
+    content["distributedInfo"]["rank"] = 0
+    trace.write_text(json.dumps(content))
+    assert_one_line_error(run_python("tools/hta_check.py", copy), f"{trace}: its distributedInfo names rank 0, not 1")

@@ -7,8 +7,11 @@ Each class has its own colour and stripe direction, under noise: a working pipel
 optimizer steps and beats the majority baseline; a broken one (shuffled labels, lost gradients) does not.
 Layouts: `image-folders` writes train/<class>/*.png and test/<class>/*.png; `torchvision` writes
 cifar-10-batches-py/ in the pickle format of the official archive (data_batch_1..5, test_batch, batches.meta).
+Either way the root holds synthetic.json (lab/data.py's SYNTHETIC_MARKER): runs on these data record that
+they are synthetic, and verify.py's strict audit refuses them as the documented experiment.
 """
 
+import json
 import pickle
 import shutil
 import sys
@@ -19,7 +22,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.cli import ArgumentParser, LabError, exit_with, positive_int  # noqa: E402
-from lab.data import TORCHVISION_FOLDER  # noqa: E402
+from lab.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER  # noqa: E402
 from model import CLASSES, IMAGE_SIZE  # noqa: E402
 
 LAYOUTS = ("image-folders", "torchvision")
@@ -85,6 +88,13 @@ def write_dataset(root, layout, train_source_size, test_size, seed=0):
         write_image_folders(partial, "test", *test)
     else:
         write_torchvision_batches(partial, train, test)
+    marker = {
+        "written_by": "tools/synthetic_data.py",
+        "train_source": train_source_size,
+        "test": test_size,
+        "seed": seed,
+    }
+    (partial / SYNTHETIC_MARKER).write_text(json.dumps(marker) + "\n")
     partial.rename(root)
     return train, test
 

@@ -19,7 +19,15 @@ LAB_TEST_BROKEN_LOOP: train.py runs a broken accumulation loop, to show verify.p
   after the window's first micro-batch (both keep every count of syncs and steps), and
   "backward_only_in_no_sync" enters no_sync() only after the forward, the mistake the document's FAQ warns of.
 LAB_TEST_DRIFT_AT_STEP ("<rank>:<step>"): after that rank's <step>th optimizer step one of its weights moves
-  by 1e-3, as a rank that silently stepped on something else: every count stays right.
+  by 1e-3 (by one ulp with LAB_TEST_DRIFT=ulp), as a rank that silently stepped on something else: every count
+  stays right.
+LAB_TEST_NAN_AT_STEP ("<rank>:<step>", rank * for all): a NaN in one gradient just before that step, which the
+  step writes into the parameters.
+LAB_TEST_SAME_SHARD=1: every rank's DistributedSampler reads rank 0's shard (a sampler set up without the
+  rank): the gradients still agree after the all-reduce.
+LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads can at exit.
+LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
+LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoints each stage with
   use_reentrant=True (the images need no gradient, so the stages get none); "statistics_twice" recomputes the
   stages without putting their BatchNorm buffers back (their statistics are updated twice per forward).
@@ -41,17 +49,18 @@ if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
 
 
 def at_a_ranks_step(variable, before=None, after=None):
-    """Wrap AdamW.step: on the rank and step that `variable` names ("<rank>:<step>", steps counted from 1),
-    before(optimizer) runs ahead of the step and after(optimizer) behind it."""
+    """Wrap AdamW.step: on the rank and step that `variable` names ("<rank>:<step>", steps counted from 1, rank *
+    for every rank), before(optimizer) runs ahead of the step and after(optimizer) behind it."""
     import torch
 
-    chosen_rank, chosen_step = map(int, os.environ[variable].split(":"))
+    chosen_rank, chosen_step = os.environ[variable].split(":")
     original_step = torch.optim.AdamW.step
     steps_taken = [0]
 
     def step_with_injection(self, *args, **kwargs):
         steps_taken[0] += 1
-        chosen = int(os.environ.get("RANK", -1)) == chosen_rank and steps_taken[0] == chosen_step
+        on_this_rank = chosen_rank == "*" or os.environ.get("RANK") == chosen_rank
+        chosen = on_this_rank and steps_taken[0] == int(chosen_step)
         if chosen and before:
             before(self)
         result = original_step(self, *args, **kwargs)
@@ -150,10 +159,63 @@ if os.environ.get("LAB_TEST_DRIFT_AT_STEP"):
     import torch
 
     def drift(optimizer):
+        bias = optimizer.param_groups[0]["params"][-1]  # the classifier's bias
         with torch.no_grad():
-            optimizer.param_groups[0]["params"][-1][0] += 1e-3  # the classifier's first bias
+            if os.environ.get("LAB_TEST_DRIFT") == "ulp":  # the next float32 up: the smallest change there is
+                bias[0] = torch.nextafter(bias[0], torch.tensor(float("inf")))
+            else:
+                bias[0] += 1e-3
 
     at_a_ranks_step("LAB_TEST_DRIFT_AT_STEP", after=drift)
+
+if os.environ.get("LAB_TEST_NAN_AT_STEP"):
+    import torch
+
+    def poison(optimizer):
+        optimizer.param_groups[0]["params"][-1].grad[0] = float("nan")  # the step writes it into the parameters
+
+    at_a_ranks_step("LAB_TEST_NAN_AT_STEP", before=poison)
+
+if os.environ.get("LAB_TEST_SAME_SHARD"):
+    from torch.utils.data.distributed import DistributedSampler
+
+    original_sampler_init = DistributedSampler.__init__
+
+    def rank_0s_shard(self, *args, **kwargs):
+        original_sampler_init(self, *args, **kwargs)
+        self.rank = 0  # every rank reads rank 0's samples
+
+    DistributedSampler.__init__ = rank_0s_shard
+
+if os.environ.get("LAB_TEST_HANG_IN_TEARDOWN"):
+    import time
+
+    import torch.distributed
+
+    def hang(*args, **kwargs):
+        time.sleep(3600)
+
+    torch.distributed.destroy_process_group = hang
+
+if os.environ.get("LAB_TEST_COUNT_DECODES"):
+    from lab import data
+
+    decode_image_folders = data.decode_image_folders
+
+    def counted_decode(*args, **kwargs):
+        with open(os.environ["LAB_TEST_COUNT_DECODES"], "a") as log:
+            log.write(f"decoded by pid {os.getpid()}\n")
+        return decode_image_folders(*args, **kwargs)
+
+    data.decode_image_folders = counted_decode
+
+if os.environ.get("LAB_TEST_NODE_TORCH_VERSION"):
+    node, version = os.environ["LAB_TEST_NODE_TORCH_VERSION"].split(":")
+    if os.environ.get("GROUP_RANK") == node:
+        import torch
+
+        torch.__version__ = version
+
 
 if os.environ.get("LAB_TEST_CHECKPOINT") == "reentrant":
     import torch.utils.checkpoint

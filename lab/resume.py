@@ -1,0 +1,271 @@
+"""A stopped run resumed where it stopped, bit for bit, with its audit intact.
+
+    train.py ... --resume                        continue the unfinished run in --output, or start it
+    train.py ... --checkpoint-every-windows N    save also every N windows inside an epoch
+    torchrun --max-restarts=3 ... train.py ...   restarted workers resume by themselves
+
+The state is saved at every epoch's end (and, with --checkpoint-every-windows N, at every Nth window's end,
+never inside a window, where gradients are half accumulated): the model, the optimizer and the scheduler;
+every rank's BatchNorm buffers, random states (Python, torch, CUDA, the tensor loader's generator), the
+audit's running totals and the epoch's progress so far; the history so far. Rank 0 gathers it into the run's
+partial folder: resume_state.pt written atomically, then resume_state.json with its size and SHA-256, so that
+the newest complete save wins and a save cut short is never read. A resumed run takes the same run id and
+partial folder, refuses another configuration (code, versions, data and precision included) with one line,
+and marks in its history where it resumed; verify.py expects what the restart costs (a new DDP wrapper
+broadcasts the buffers before its first forward and rebuilds its buckets once).
+
+On SIGTERM (a scheduler's preemption) the ranks agree to stop at a window's end (on CPU the next one; on GPUs,
+where reading the agreement each window would stall the device, the next save: the epoch's end, or the next
+of --checkpoint-every-windows), the state is saved, and every rank exits with PREEMPTED_EXIT_CODE and one
+line. A second SIGTERM exits at once, leaving the last complete state.
+"""
+
+import copy
+import io
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lab import records
+from lab.audit import EpochTrace
+from lab.cli import LabError
+from lab.launch import agree
+
+STATE_FILE = "resume_state.pt"
+STATE_RECORD = "resume_state.json"  # written after the state: its size, SHA-256 and position
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; run again with --resume
+RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of its restarts of the worker group
+UNCHECKED_CONFIG = {"hardware"}  # what a resumed run may change: the machines it runs on
+
+
+class Preempted(LabError):
+    """The run stopped on SIGTERM after saving its state: one line, and an exit code of its own."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def line(self, script):
+        return f"{script}: {self}"
+
+
+@dataclass
+class EpochState:
+    """One rank's epoch in progress: what train_epoch accumulates, and what a save inside the epoch keeps."""
+
+    number: int
+    micro_batch: int = 0  # the next micro-batch to run
+    totals: torch.Tensor = None  # this rank's loss sum, correct, count (float64, on the device)
+    trace: EpochTrace = field(default_factory=EpochTrace)
+    audit_before: dict = field(default_factory=dict)  # the audit's totals at the epoch's start
+    train_seconds: float = 0.0  # training time spent in this epoch by earlier starts of the run
+    segment_started: float = None  # when this start of the run began the epoch's training (perf_counter)
+    resumed_at: list = field(default_factory=list)  # micro-batches where this epoch's training resumed
+
+
+def unfinished_with_state(output):
+    """The newest unfinished run beside `output` holding a complete saved state, or None."""
+    candidates = [folder for folder in records.unfinished_runs(output) if (folder / STATE_RECORD).is_file()]
+    return max(candidates, key=lambda folder: (folder / STATE_RECORD).stat().st_mtime, default=None)
+
+
+def read_state(folder):
+    """An unfinished run's saved state, checked against its record: one line if it was cut short or altered."""
+    record_path, state_path = folder / STATE_RECORD, folder / STATE_FILE
+    record = records.read_json(record_path)
+    entry = record.get("state") if isinstance(record, dict) else None
+    if not isinstance(entry, dict) or not state_path.is_file():
+        raise LabError(f"{record_path} names no saved state beside it: remove {folder}, or start anew without --resume")
+    if state_path.stat().st_size != entry.get("bytes") or records.sha256_file(state_path) != entry.get("sha256"):
+        raise LabError(
+            f"{state_path} is not the state {record_path} recorded (its size or SHA-256 differs: cut short or "
+            f"altered): remove {folder}, or start anew without --resume"
+        )
+    return torch.load(state_path, map_location="cpu", weights_only=False)
+
+
+def rng_states(device):
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states, device):
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def to_cpu(value):
+    """A nested value with every tensor on the CPU: what travels between the ranks and into the file."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def portable(epoch):
+    """A copy of an EpochState that can be saved: its tensors on the CPU, its training time so far."""
+    saved = copy.copy(epoch)
+    if epoch.segment_started is not None:
+        saved.train_seconds = epoch.train_seconds + time.perf_counter() - epoch.segment_started
+        saved.segment_started = None
+    saved.trace = copy.copy(epoch.trace)
+    saved.trace.agreement = [to_cpu(verdict) for verdict in epoch.trace.agreement]
+    saved.totals = to_cpu(epoch.totals)
+    return saved
+
+
+class Session:
+    """One run's saves: whether it resumes and from what, each save, and SIGTERM turned into a stop."""
+
+    def __init__(self, args, place, config, device):
+        self.place, self.config, self.device = place, config, device
+        self.every_windows = args.checkpoint_every_windows
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        restarted = int(os.environ.get(RESTART_VARIABLE, "0")) > 0
+
+        def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
+            folder = unfinished_with_state(args.output) if (args.resume or restarted) and place.rank == 0 else None
+            if folder is None:
+                return None
+            state = read_state(folder)
+            keys = sorted((set(state["config"]) | set(config)) - UNCHECKED_CONFIG)
+            differ = [
+                f"{key} {state['config'].get(key)!r} vs {config.get(key)!r}"
+                for key in keys
+                if state["config"].get(key) != config.get(key)
+            ]
+            if differ:
+                raise LabError(
+                    f"--resume: the unfinished run in {folder} was started with another configuration "
+                    f"({'; '.join(differ)}): start it again with the same options, code and data, or start "
+                    f"anew without --resume"
+                )
+            return state
+
+        state = agree(place, saved_state)
+        holder = [state]
+        dist.broadcast_object_list(holder, src=0)  # every rank resumes, or none does
+        self.state = holder[0]
+        if self.state and place.local_rank == 0:
+            where = self.state["epochs"][place.rank]
+            print(
+                f"train.py: resuming run {self.state['run_id']} at epoch {where.number}, micro-batch "
+                f"{where.micro_batch}, from its saved state",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def on_sigterm(self, signum, frame):
+        if self.stop_requested:  # the second one: at once
+            os._exit(128 + signum)
+        self.stop_requested = True
+
+    @property
+    def run_id(self):
+        return self.state["run_id"] if self.state else None
+
+    def attach(self, folder, models, comm_audit, train_loader, history):
+        """What a save reads: the run folder (rank 0), (DDP model, optimizer, scheduler), the audit, the training
+        loader, and the history list the run appends to."""
+        self.folder, self.models, self.comm_audit = folder, models, comm_audit
+        self.train_loader, self.history = train_loader, history
+
+    def restore(self):
+        """Put back everything the saved state holds, on this rank: after the DDP wrapper is made (its wrap-time
+        broadcast would overwrite the other ranks' BatchNorm buffers), before any training. Fills the history so
+        far and returns the epoch to go on with."""
+        state, rank = self.state, self.place.rank
+        ddp_model, optimizer, scheduler = self.models
+        ddp_model.module.load_state_dict(state["model"])
+        with torch.no_grad():
+            for name, buffer in ddp_model.module.named_buffers():
+                buffer.copy_(state["buffers"][rank][name])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        audit_totals = dict(state["audit"][rank])
+        self.comm_audit.clock.seconds = audit_totals.pop("comm_seconds")
+        for name, value in audit_totals.items():
+            setattr(self.comm_audit, name, value)
+        generator = getattr(self.train_loader, "generator", None)
+        if generator is not None:
+            generator.set_state(state["loader_generator"][rank])
+        set_rng_states(state["rng"][rank], self.device)
+        epoch = state["epochs"][rank]
+        epoch.resumed_at.append(epoch.micro_batch)
+        if epoch.totals is not None:
+            epoch.totals = epoch.totals.to(self.device)
+            epoch.trace.agreement = [verdict.to(self.device) for verdict in epoch.trace.agreement]
+        self.history[:] = state["history"]
+        return epoch
+
+    def window_end(self, epoch, window):
+        """At the end of the epoch's `window`th window (1-based): save when --checkpoint-every-windows says so,
+        and stop when a rank asked (the step's agreement carried the request). Raises Preempted to stop."""
+        due = bool(self.every_windows) and window % self.every_windows == 0
+        readable = due or self.device.type == "cpu"  # on GPUs a read here would stall the device
+        stop = readable and bool(epoch.trace.agreement[-1][5])
+        if due or stop:
+            self.save(epoch)
+        if stop:
+            raise Preempted(
+                f"preempted at epoch {epoch.number}, window {window}: its state is saved; resume with --resume"
+            )
+
+    def epoch_end(self, next_epoch):
+        """After an epoch's row, with the next epoch not begun: save, and stop there if a rank was asked to."""
+        self.save(next_epoch)
+        stop = torch.tensor([int(self.stop_requested)])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
+        if stop.item():
+            raise Preempted(f"preempted after epoch {next_epoch.number - 1}: its state is saved; resume with --resume")
+
+    def discard(self):
+        """Rank 0, once the run is complete: its saved state goes (nothing is left to resume)."""
+        for name in (STATE_RECORD, STATE_FILE):  # the record first: no record names a missing state
+            (self.folder.partial / name).unlink(missing_ok=True)
+
+    def save(self, epoch):
+        """Gather every rank's part to rank 0, which writes the state, then its record (with the save's bytes and
+        seconds: what resuming costs)."""
+        started = time.perf_counter()
+        ddp_model, optimizer, scheduler = self.models
+        generator = getattr(self.train_loader, "generator", None)
+        mine = {
+            "buffers": to_cpu(dict(ddp_model.module.named_buffers())),
+            "audit": self.comm_audit.totals(),
+            "loader_generator": generator.get_state() if generator is not None else None,
+            "rng": rng_states(self.device),
+            "epochs": portable(epoch),
+        }
+        gathered = [None] * self.place.world_size
+        dist.all_gather_object(gathered, to_cpu(mine))
+        if self.place.rank != 0:
+            return
+        state = {
+            "run_id": self.folder.run_id,
+            "config": self.config,
+            "history": self.history,
+            "model": to_cpu(ddp_model.module.state_dict()),
+            "optimizer": to_cpu(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict(),
+            **{key: [part[key] for part in gathered] for key in mine},
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.folder.write(STATE_FILE, buffer.getvalue())
+        entry = {"bytes": buffer.tell(), "sha256": records.sha256_file(self.folder.partial / STATE_FILE)}
+        where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": records.utc_now()}
+        where["seconds"] = time.perf_counter() - started
+        self.folder.write(STATE_RECORD, records.json_bytes({"state": entry, **where}))

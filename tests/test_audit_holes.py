@@ -1,0 +1,315 @@
+"""The audit refuses every wrong run and no right one: step fingerprints exact whatever the summation order, a
+run whose steps changed nothing or whose ranks read the same samples refused, non-finite values reported as
+such, the strict audit's data and learning checks, profiler labels counted once on CUDA, DDP's teardown and a
+dead NCCL peer bounded in time."""
+
+import json
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    copy_runs,
+    read_json,
+    run_in_process,
+    subprocess_env,
+    train,
+    verify,
+)
+from lab import audit, checks, experiment, launch, records, witness
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the step fingerprint
+
+
+def test_the_fingerprint_does_not_depend_on_the_order_or_the_threads():
+    """The same 558,538 values summed with 1 or 2 threads, as one tensor or as several: one fingerprint."""
+    values = torch.randn(558_538, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = audit.fingerprint([values])
+        torch.set_num_threads(2)
+        two_threads = audit.fingerprint([values])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, two_threads)
+    assert torch.equal(audit.fingerprint(torch.split(values, [100_000, 458_538])), one_thread)
+
+
+def test_one_ulp_and_a_swap_change_the_fingerprint():
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    reference = audit.fingerprint([values])
+    nudged = values.clone()
+    nudged[500] = torch.nextafter(nudged[500], torch.tensor(float("inf")))
+    swapped = values.clone()
+    swapped[[3, 700]] = swapped[[700, 3]]
+    across = [values[:10].clone(), values[10:].clone()]
+    across[0][0], across[1][0] = across[1][0].item(), across[0][0].item()  # a swap between two tensors
+    for changed in ([nudged], [swapped], across):
+        assert not torch.equal(audit.fingerprint(changed)[:2], reference[:2])
+    assert reference[2] == 0
+
+
+def test_non_finite_values_are_counted_not_hashed_away():
+    values = torch.randn(100)
+    values[[5, 50]] = torch.tensor([float("nan"), float("inf")])
+    assert audit.fingerprint([values])[2].item() == 2
+
+
+def test_a_step_that_changes_nothing_and_non_finite_values_are_each_told_apart(one_process_group):
+    """ranks_agree's verdicts in a one-process group: [gradients agreed, parameters agreed, gradients finite,
+    parameters finite, parameters changed]."""
+    parameter = torch.nn.Parameter(torch.randn(10))
+    parameter.grad = torch.randn(10)
+    before = audit.before_step([parameter])
+    with torch.no_grad():
+        parameter.add_(1.0)
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, True]
+    before = audit.before_step([parameter])
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, False]
+    parameter.grad[0] = float("nan")
+    with torch.no_grad():
+        parameter[0] = float("nan")
+    before = audit.before_step([parameter])
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False]
+
+
+# ----------------------------------------------------------------------------- real runs the audit refuses
+
+
+def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
+    """Rank 1 moves one weight by one ulp after its 8th step (epoch 2, step 3): the smallest difference there is."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
+    env = subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:8", LAB_TEST_DRIFT="ulp")
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=env))
+    rows = read_json(runs / "every" / "history.json")
+    assert [row["first_rank_disagreement"] for row in rows] == [None, {"optimizer_step": 3, "differed": ["parameters"]}]
+    assert_one_line_error(
+        verify(runs),
+        f"{runs}/every/history.json: epoch 2: at optimizer step 3 the ranks held different parameters",
+        code=1,
+    )
+
+
+def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_path):
+    """The optimizer finds no gradients (tests/inject): every count, position, agreement and BatchNorm counter
+    holds, and the run sits at chance; the steps that changed no parameter give it away."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_LOSE_GRADIENTS="1")))
+    rows = read_json(runs / "every" / "history.json")
+    assert [(row["steps_with_ranks_agreed"], row["steps_that_changed_parameters"]) for row in rows] == [(5, 0), (5, 0)]
+    assert_one_line_error(
+        verify(runs),
+        f"{runs}/every/history.json: epoch 1: 5 of 5 optimizer steps changed no parameter: the optimizer did not "
+        "learn from its gradients",
+        code=1,
+    )
+
+
+def test_ranks_that_read_the_same_samples_are_refused(lab_runs, image_data, tmp_path):
+    """Every rank reads rank 0's shard: the averaged gradients agree, so the fingerprints cannot see it; the
+    epoch's shards can."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_SAME_SHARD="1")))
+    rows = read_json(runs / "every" / "history.json")
+    assert rows[0]["sample_shards"] == {"samples_per_rank": 200, "distinct_samples": 200, "split_size": 400}
+    assert rows[0]["steps_with_ranks_agreed"] == 5
+    assert_one_line_error(
+        verify(runs),
+        f"{runs}/every/history.json: epoch 1: the 2 ranks read 200 samples each, 200 distinct of the 400 in the "
+        "train split (expected 200 each, all 400 distinct): the ranks' shards overlap",
+        code=1,
+    )
+
+
+def test_the_shared_runs_record_disjoint_shards_and_steps_that_changed_the_weights(lab_runs):
+    artifacts, _ = lab_runs
+    for mode in experiment.MODES:
+        for row in read_json(artifacts / mode / "history.json"):
+            assert row["sample_shards"] == {"samples_per_rank": 200, "distinct_samples": 400, "split_size": 400}
+            assert row["steps_that_changed_parameters"] == row["optimizer_steps"] == 5
+            assert row["first_nonfinite_step"] is None
+
+
+def test_non_finite_values_on_every_rank_are_reported_as_such(lab_runs, image_data, tmp_path):
+    """A NaN in one gradient on every rank in step 2, which the step writes into the parameters: the ranks still
+    agree (the same bits), and verify.py says what happened, not that the ranks disagreed."""
+    artifacts, _ = lab_runs
+    runs = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
+    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_NAN_AT_STEP="*:2")))
+    row = read_json(runs / "every" / "history.json")[0]
+    assert row["first_nonfinite_step"] == {"optimizer_step": 2, "in": ["parameters"]}
+    assert row["first_rank_disagreement"] is None
+    assert_one_line_error(
+        verify(runs),
+        f"{runs}/every/history.json: epoch 1: at optimizer step 2 the parameters held NaN or infinite values: the "
+        "run diverged",
+        code=1,
+    )
+
+
+# ----------------------------------------------------------------------------- the strict audit
+
+
+def documented_record(synthetic):
+    return {"config": {"data_synthetic": synthetic}, "data_dir": "data/synthetic"}
+
+
+def test_the_strict_audit_refuses_synthetic_data(tmp_path):
+    checks.check_real_data(tmp_path, documented_record(False))
+    with pytest.raises(records.AuditError) as caught:
+        checks.check_real_data(tmp_path, documented_record(True))
+    assert str(caught.value) == (
+        f"{tmp_path}/run.json: the run trained on synthetic data (tools/synthetic_data.py wrote data/synthetic), not "
+        "CIFAR-10: run the documented experiment on CIFAR-10, or audit these runs with --expect-from-config"
+    )
+
+
+def test_the_strict_audit_refuses_a_model_that_did_not_learn(tmp_path):
+    report = {"model_test_accuracy": 0.1003, "baseline_accuracy": 0.1}
+    with pytest.raises(records.AuditError) as caught:
+        checks.check_learned(tmp_path, report)
+    assert str(caught.value) == (
+        f"{tmp_path}/report.json: test accuracy 0.1003 is below 0.5 (the majority baseline is 0.1000): the model "
+        "did not learn"
+    )
+    checks.check_learned(tmp_path, {**report, "model_test_accuracy": 0.7063})
+
+
+def test_runs_on_synthetic_data_say_so(lab_runs):
+    artifacts, _ = lab_runs
+    assert read_json(artifacts / "every" / "run.json")["config"]["data_synthetic"] is True
+
+
+def test_strict_verify_names_synthetic_data_first(lab_runs):
+    artifacts, _ = lab_runs
+    line = assert_one_line_error(
+        run_in_process("verify.py", "--artifacts", artifacts), "the run trained on synthetic data", code=1
+    )
+    assert "--expect-from-config" in line
+
+
+# ----------------------------------------------------------------------------- the profiler's labels on CUDA
+
+
+def fixture_events(name):
+    """A recorded profiler's events as JSON (tests/fixtures), as objects that witness.summarize reads."""
+    kinds = {"cpu": torch.autograd.DeviceType.CPU, "cuda": torch.autograd.DeviceType.CUDA}
+    return [
+        SimpleNamespace(
+            name=event["name"],
+            device_type=kinds[event["device"]],
+            time_range=SimpleNamespace(start=event["start"], end=event["end"]),
+        )
+        for event in json.loads((FIXTURES / name).read_text())
+    ]
+
+
+def test_cuda_annotations_of_the_labels_are_not_counted_twice():
+    """On CUDA each record_function range comes twice: on the CPU and as a device-side annotation of the same
+    name. The summary takes the CPU's: each micro-batch once, the agreement span only where the CPU ran it."""
+    events = fixture_events("cuda_profile_events.json")
+    assert sum(event.name == "micro-batch 8" for event in events) == 2  # the fixture holds both kinds
+    summary = witness.summarize(events, rank=0, audit={})
+    assert [span[0] for span in summary["micro_batches"]] == [8, 9, 10, 11]
+    assert summary["calls"] == {"c10d::allreduce_": 5, "c10d::broadcast_": 2}
+    assert summary["executions"] == {"c10d::allreduce_": 5, "c10d::broadcast_": 2}
+    kinds = [kind for kind, _, _ in summary["collectives"]]
+    # The device-side agreement annotation lags into the next window's broadcasts; the CPU span does not.
+    assert (kinds.count("gradient all-reduce"), kinds.count("rank-agreement all-reduce"), kinds.count("broadcast")) == (
+        4,
+        1,
+        2,
+    )
+
+
+def test_verify_requires_each_profiled_micro_batch_once(lab_runs, tmp_path):
+    runs = copy_runs(lab_runs[0], tmp_path / "artifacts")
+    path = runs / "every" / records.PROFILE_FILE
+    profile = read_json(path)
+    profile["ranks"][1]["micro_batches"].append(profile["ranks"][1]["micro_batches"][0])
+    path.write_text(json.dumps(profile))
+    record_path = runs / "every" / records.RUN_RECORD_FILE
+    record = read_json(record_path)
+    record["files"][records.PROFILE_FILE] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    record_path.write_text(json.dumps(record))
+    assert_one_line_error(
+        verify(runs), "rank 1: the profiled micro-batches are labelled [8, 8, 9,", "not once each 8 to 15", code=1
+    )
+
+
+def test_every_ranks_trace_names_its_rank(lab_runs):
+    artifacts, _ = lab_runs
+    for mode in experiment.MODES:
+        for rank, name in enumerate(records.profile_trace_files(2)):
+            trace = json.loads((artifacts / mode / name).read_bytes())
+            assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
+
+
+# ----------------------------------------------------------------------------- bounded waits
+
+
+def test_a_dead_nccl_peer_ends_the_job_within_a_minute(monkeypatch):
+    """CPU-testable part: the NCCL training group gets a 45 s timeout and asynchronous error handling, set
+    before the group is made."""
+    made = {}
+
+    def new_group(**options):
+        made.update(options, error_handling=launch.os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        return "nccl group"
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setattr(launch.dist, "new_group", new_group)
+    assert launch.training_group(torch.device("cpu")) is None
+    assert launch.training_group(torch.device("cuda", 0)) == "nccl group"
+    assert made == {"backend": "nccl", "timeout": timedelta(seconds=45), "error_handling": "1"}
+    assert launch.NCCL_TIMEOUT + timedelta(seconds=15) <= timedelta(minutes=1)
+
+
+def test_a_teardown_that_hangs_is_ended_with_one_line(image_data, tmp_path):
+    """Closing the process groups hangs (tests/inject): the watchdog ends each process after 10 s with one
+    line from the node, and the run it closes is complete."""
+    started = time.monotonic()
+    result = train(
+        image_data,
+        tmp_path / "every",
+        "every",
+        "--quiet",
+        "--epochs",
+        "1",
+        env=subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1"),
+    )
+    assert time.monotonic() - started < 90
+    lines = [line for line in result.stderr.splitlines() if "did not close within" in line]
+    assert lines == [
+        "train.py: the process groups did not close within 10 s (gloo's threads still held the communication hook's "
+        "callbacks); ending the process (the run's artifacts were written before it)"
+    ]
+    assert result.returncode == 1 and "Signal 9 (SIGKILL)" in result.stderr
+    assert (tmp_path / "every" / records.RUN_RECORD_FILE).is_file()

@@ -1,0 +1,226 @@
+"""A stopped run resumes where it stopped, bit for bit: a worker killed under torchrun --max-restarts, a
+launcher stopped by SIGTERM (a scheduler's preemption) and started again with --resume, two nodes restarted;
+and a saved state that was altered, or another configuration, is refused with one line."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import (
+    REPO,
+    SMALL_RUN,
+    TIMING,
+    assert_ok,
+    assert_train_error,
+    read_json,
+    subprocess_env,
+    train,
+    verify,
+)
+from lab import records, resume
+from test_faults import rank_pid, stop_run
+from test_nodes import node_folders, start_nodes, two_nodes
+
+EPOCHS = ["--epochs", "3"]
+CHECKPOINTS = ["--checkpoint-every-windows", "2"]  # saves after windows 2 and 4 of each epoch, and at its end
+RESTARTS = ["--max-restarts=1"]
+
+
+def start(output, data, *extra, restarts=()):
+    """torchrun (two ranks, in a session of its own) running train.py into `output`, with progress lines."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", *restarts,
+        str(REPO / "train.py"), "--mode", "no_sync", "--output", str(output), "--data-dir", str(data),
+        *SMALL_RUN, *EPOCHS, "--progress-every", "0", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+def wait_for(launcher, fragment):
+    """Read the launcher's stderr until a line holds `fragment`; returns what was read."""
+    seen = []
+    for line in launcher.stderr:
+        seen.append(line)
+        if fragment in line:
+            return seen
+    raise AssertionError(f"never saw {fragment!r}:\n{''.join(seen[-30:])}")
+
+
+def outcome(launcher, timeout=300):
+    stdout, rest = launcher.communicate(timeout=timeout)
+    return launcher.returncode, stdout, rest
+
+
+def same_run(first, second):
+    """Two run folders of one configuration: model.pt (weights and BatchNorm buffers) and report equal, and the
+    histories equal but for times, where a run resumed and what that restart cost."""
+    weights = [torch.load(folder / "model.pt", weights_only=True)["model"] for folder in (first, second)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    reports = [read_json(folder / "report.json") for folder in (first, second)]
+    for report in reports:
+        report.pop("run_id"), report["config"].pop("nodes")  # a two-node run is the one-node run's otherwise
+    assert reports[0] == reports[1]
+    restart = TIMING | {
+        "resumed_at",
+        "rebuild_broadcast_collectives",
+        "buffer_broadcast_collectives",
+        "broadcast_bytes",
+    }
+    histories = [read_json(folder / "history.json") for folder in (first, second)]
+    assert [{k: v for k, v in row.items() if k not in restart} for row in histories[0]] == [
+        {k: v for k, v in row.items() if k not in restart} for row in histories[1]
+    ]
+    return histories[1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(image_data, tmp_path_factory):
+    """The runs the stopped ones must equal: every and no_sync, 3 epochs, never stopped."""
+    artifacts = tmp_path_factory.mktemp("uninterrupted") / "artifacts"
+    for mode in ("every", "no_sync"):
+        assert_ok(train(image_data, artifacts / mode, mode, *EPOCHS, "--quiet"))
+    return artifacts
+
+
+def test_a_worker_killed_mid_epoch_is_restarted_and_resumes_bit_for_bit(uninterrupted, image_data, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(uninterrupted / "every", artifacts / "every")
+    launcher = start(artifacts / "no_sync", image_data, *CHECKPOINTS, restarts=RESTARTS)
+    try:
+        wait_for(launcher, "epoch 2/3 train: 10/20")  # past the save after window 2 of epoch 2
+        os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
+        code, _, stderr = outcome(launcher)
+    finally:
+        stop_run(launcher)
+    assert code == 0, stderr[-3000:]
+    assert "train.py: resuming run" in stderr and "at epoch 2, micro-batch 8, from its saved state" in stderr
+    history = same_run(uninterrupted / "no_sync", artifacts / "no_sync")
+    assert [row["resumed_at"] for row in history] == [[], [8], []]
+    # The new DDP wrapper rebuilt its buckets once more, in epoch 2; its first forward followed a synchronized
+    # micro-batch, so it broadcast the buffers where the uninterrupted run did too.
+    assert [row["rebuild_broadcast_collectives"] for row in history] == [2, 2, 0]
+    assert not list((artifacts / "no_sync").glob("resume_state*"))  # a finished run keeps no state
+    result = verify(artifacts)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no_sync resumed at epoch 2, micro-batch 8 (its restart's communication expected)" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def preempted(image_data, tmp_path_factory):
+    """no_sync stopped by SIGTERM to its launcher in epoch 2: the ranks finish their window, save and exit."""
+    output = tmp_path_factory.mktemp("preempted") / "no_sync"
+    launcher = start(output, image_data)
+    try:
+        wait_for(launcher, "epoch 2/3 train: 6/20")
+        started = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        code, _, stderr = outcome(launcher)
+        seconds = time.monotonic() - started
+    finally:
+        stop_run(launcher)
+    return output, code, stderr, seconds
+
+
+def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted):
+    output, code, stderr, seconds = preempted
+    assert seconds < 30
+    lines = [line for line in stderr.splitlines() if "preempted at epoch" in line]
+    assert lines == ["train.py: preempted at epoch 2, window 2: its state is saved; resume with --resume"]
+    assert code != 0  # torchrun reports the signal it got; the ranks exited with resume.PREEMPTED_EXIT_CODE
+    (partial,) = records.unfinished_runs(output)
+    saved = read_json(partial / resume.STATE_RECORD)
+    assert (saved["epoch"], saved["micro_batch"]) == (2, 8)
+    assert saved["state"]["bytes"] == (partial / resume.STATE_FILE).stat().st_size
+    assert not output.exists()
+
+
+def test_resume_finishes_the_preempted_run_bit_for_bit(preempted, uninterrupted, image_data, tmp_path):
+    output, _, _, _ = preempted
+    copy = tmp_path / "artifacts" / "no_sync"
+    shutil.copytree(output.parent, copy.parent, dirs_exist_ok=True)
+    result = assert_ok(train(image_data, copy, "no_sync", *EPOCHS, "--resume", "--quiet"))
+    assert "train.py: resuming run" in result.stderr
+    history = same_run(uninterrupted / "no_sync", copy)
+    assert [row["resumed_at"] for row in history] == [[], [8], []]
+    shutil.copytree(uninterrupted / "every", copy.parent / "every")
+    assert verify(copy.parent).returncode == 0
+
+
+def preempted_copy(preempted, tmp_path):
+    output, _, _, _ = preempted
+    shutil.copytree(output.parent, tmp_path / "artifacts")
+    (partial,) = records.unfinished_runs(tmp_path / "artifacts" / "no_sync")
+    return tmp_path / "artifacts" / "no_sync", partial
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_saved_state_cut_short_or_altered_is_refused(preempted, image_data, tmp_path, damage):
+    output, partial = preempted_copy(preempted, tmp_path)
+    state = partial / resume.STATE_FILE
+    content = state.read_bytes()
+    state.write_bytes(
+        content[: len(content) // 2] if damage == "truncated" else content[:-1] + bytes([content[-1] ^ 1])
+    )
+    result = train(image_data, output, "no_sync", *EPOCHS, "--resume", "--quiet")
+    assert_train_error(
+        result, f"{state} is not the state {partial / resume.STATE_RECORD} recorded", "cut short or altered"
+    )
+    assert state.is_file()  # refused, nothing removed
+
+
+def test_resume_with_another_configuration_is_refused(preempted, image_data, tmp_path):
+    output, partial = preempted_copy(preempted, tmp_path)
+    result = train(image_data, output, "no_sync", "--epochs", "4", "--resume", "--quiet")
+    assert_train_error(
+        result,
+        f"--resume: the unfinished run in {partial} was started with another configuration (epochs 3 vs 4): start "
+        "it again with the same options",
+    )
+
+
+def test_a_first_start_without_resume_replaces_the_unfinished_run(preempted, image_data, tmp_path):
+    output, partial = preempted_copy(preempted, tmp_path)
+    assert_ok(train(image_data, output, "no_sync", "--epochs", "1", "--quiet"))
+    assert not partial.exists() and read_json(output / "history.json")[0]["resumed_at"] == []
+
+
+def test_two_nodes_restarted_after_one_dies_finish_and_pass_the_audit(uninterrupted, tmp_path, image_data):
+    """Node 1's worker killed in epoch 2; both torchrun agents restart their workers (c10d rendezvous,
+    --max-restarts=1), which resume from the last save and finish the run: the one-node run's model, and with
+    every on the same two nodes, verify.py passes."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    common = ["--output-placeholder", "--data-dir", "data", *SMALL_RUN, *EPOCHS, *CHECKPOINTS, "--progress-every", "0"]
+    every, no_sync = (["--mode", mode, "--output", f"artifacts/{mode}", *common[1:]] for mode in ("every", "no_sync"))
+    results, _ = two_nodes([node0, node1], every, every)
+    for result in results:
+        assert_ok(result)
+    launchers = start_nodes([node0, node1], no_sync, no_sync, restarts=1)
+    try:
+        for line in launchers[0].stderr:
+            if "epoch 2/3 train: 10/20" in line:
+                break
+        os.kill(rank_pid(launchers[1].pid, 1), signal.SIGKILL)
+        outputs = [launcher.communicate(timeout=300) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][1][-3000:]
+    history = same_run(uninterrupted / "no_sync", node0 / "artifacts" / "no_sync")
+    assert sum(len(row["resumed_at"]) for row in history) == 1
+    result = verify(node0 / "artifacts")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no_sync resumed at epoch 2" in result.stdout
