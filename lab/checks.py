@@ -10,7 +10,7 @@ import math
 
 from PIL import Image
 
-from lab import experiment
+from lab import experiment, resume
 from lab.precision import NUMERICS
 from lab.records import (
     HISTORY_FILE,
@@ -126,8 +126,9 @@ def check_history(path, mode, record, expected_config, sizes, hint):
     )
     if len(history) != expected_config["epochs"]:
         raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}{hint}")
-    starts = wrapper_starts(path, history, len(experiment.epoch_plan(expected_config)))
+    starts = resume.wrapper_starts(path, history, len(experiment.epoch_plan(expected_config)))
     for number, row in enumerate(history, start=1):
+        check_finite(path, number, row)
         for key in ROW_INTEGERS:
             check(is_int(row.get(key)), path, f"epoch row {number}: {key} must be a whole number, got {row.get(key)!r}")
         for key in ROW_NUMBERS:
@@ -152,21 +153,6 @@ def check_history(path, mode, record, expected_config, sizes, hint):
     return history
 
 
-def wrapper_starts(path, history, micro_batches):
-    """Where the run's DDP wrappers started, (epoch, micro-batch) in order: the run's own at (1, 0), then each
-    resume the rows record (resumed_at): a restart's communication is expected from them."""
-    starts = [(1, 0)]
-    for number, row in enumerate(history, start=1):
-        resumed = row.get("resumed_at")
-        check(
-            isinstance(resumed, list) and all(is_int(index) and 0 <= index < micro_batches for index in resumed),
-            path,
-            f"epoch row {number}: resumed_at must be a list of micro-batch indices, got {resumed!r}",
-        )
-        starts += [(number, index) for index in resumed]
-    return starts
-
-
 def check_memory_fields(path, number, row, config):
     saved, peak = row.get("saved_activation_bytes"), row.get("peak_allocated_bytes")
     check(
@@ -174,18 +160,13 @@ def check_memory_fields(path, number, row, config):
         path,
         f"epoch row {number}: saved_activation_bytes must be a positive whole number, got {saved!r}",
     )
-    if config.get("device") == "cuda":
-        check(
-            is_int(peak) and peak > 0,
-            path,
-            f"epoch row {number}: peak_allocated_bytes must be a positive whole number on CUDA, got {peak!r}",
-        )
-    else:
-        check(
-            peak is None,
-            path,
-            f"epoch row {number}: peak_allocated_bytes must be null on {config.get('device')}, got {peak!r}",
-        )
+    on_cuda = config.get("device") == "cuda"
+    check(
+        is_int(peak) and peak > 0 if on_cuda else peak is None,
+        path,
+        f"epoch row {number}: peak_allocated_bytes must be "
+        f"{'a positive whole number on CUDA' if on_cuda else 'null on ' + str(config.get('device'))}, got {peak!r}",
+    )
 
 
 def check_same_saved_activations(runs, artifacts):
@@ -202,9 +183,9 @@ def check_same_saved_activations(runs, artifacts):
             )
 
 
-def check_steps(path, number, row):
-    """What every optimizer step did, from every rank's fingerprints (audit.ranks_agree): only finite values,
-    the same gradients before it and the same parameters after it on every rank, and parameters it changed."""
+def check_finite(path, number, row):
+    """Every optimizer step met only finite gradients and parameters (audit.ranks_agree); checked before the
+    row's numbers, which a diverged run fills with NaN."""
     nonfinite = row.get("first_nonfinite_step")
     if nonfinite is not None:
         check(
@@ -219,6 +200,11 @@ def check_steps(path, number, row):
             f"{' and '.join(map(str, nonfinite['in']))} held NaN or infinite values: the run diverged (check the "
             f"learning rate and the data)"
         )
+
+
+def check_steps(path, number, row):
+    """What every optimizer step did, from every rank's fingerprints (audit.ranks_agree): the same gradients
+    before it and the same parameters after it on every rank, and parameters it changed."""
     agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")
     check(is_int(agreed), path, f"epoch row {number}: steps_with_ranks_agreed must be a whole number, got {agreed!r}")
     if first is not None or agreed != row["optimizer_steps"]:

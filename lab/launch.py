@@ -259,18 +259,18 @@ def start_up(args, place):
         "its train.py options differ",
         "start train.py with the same options on every node",
     )
+    require_same(
+        place,
+        {"device": device_type},
+        "its device differs",
+        "give every node one GPU per process, or pass --device cpu on every node",
+    )
     code = code_and_versions()
     require_same(
         place,
         code,
         "its code or versions differ",
         "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node",
-    )
-    require_same(
-        place,
-        {"device": device_type},
-        "its device differs",
-        "give every node one GPU per process, or pass --device cpu on every node",
     )
     if device_type == "cuda":
         torch.cuda.set_device(place.local_rank)

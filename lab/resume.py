@@ -269,3 +269,19 @@ class Session:
         where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": records.utc_now()}
         where["seconds"] = time.perf_counter() - started
         self.folder.write(STATE_RECORD, records.json_bytes({"state": entry, **where}))
+
+
+def wrapper_starts(path, history, micro_batches):
+    """Where the run's DDP wrappers started, (epoch, micro-batch) in order: the run's own at (1, 0), then each
+    resume the rows record (resumed_at): a restart's communication is expected from them."""
+    starts = [(1, 0)]
+    for number, row in enumerate(history, start=1):
+        resumed = row.get("resumed_at")
+        records.check(
+            isinstance(resumed, list)
+            and all(records.is_int(index) and 0 <= index < micro_batches for index in resumed),
+            path,
+            f"epoch row {number}: resumed_at must be a list of micro-batch indices, got {resumed!r}",
+        )
+        starts += [(number, index) for index in resumed]
+    return starts

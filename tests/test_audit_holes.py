@@ -77,20 +77,21 @@ def test_non_finite_values_are_counted_not_hashed_away():
 
 def test_a_step_that_changes_nothing_and_non_finite_values_are_each_told_apart(one_process_group):
     """ranks_agree's verdicts in a one-process group: [gradients agreed, parameters agreed, gradients finite,
-    parameters finite, parameters changed]."""
+    parameters finite, parameters changed, a rank asked to stop]."""
     parameter = torch.nn.Parameter(torch.randn(10))
     parameter.grad = torch.randn(10)
     before = audit.before_step([parameter])
     with torch.no_grad():
         parameter.add_(1.0)
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, True]
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, True, False]
     before = audit.before_step([parameter])
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, False]
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, False, False]
+    assert audit.ranks_agree(before, [parameter], None, stop_requested=True).tolist()[5] is True
     parameter.grad[0] = float("nan")
     with torch.no_grad():
         parameter[0] = float("nan")
     before = audit.before_step([parameter])
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False]
+    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False, False]
 
 
 # ----------------------------------------------------------------------------- real runs the audit refuses

@@ -62,6 +62,7 @@ def test_measured_counts_equal_the_expected_counts(rows):
             "batch_size": 4,
             "accum_steps": 4,
             "partial_window": "error",
+            "epochs": max(row["epoch"] for row in rows),
         }
         expected = experiment.expected_epoch_counts(config, row["mode"], row["epoch"], sizes)
         assert {key: expected[key] for key in row["audit"]} == row["audit"], row

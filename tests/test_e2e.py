@@ -6,6 +6,7 @@ and epoch in micro-batches of 10 are 20 micro-batches, 5 windows of 4.
 
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -147,8 +148,14 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
 
 
-def test_strict_verify_rejects_a_run_that_is_not_the_documented_one(lab_runs):
-    artifacts, _ = lab_runs
+def test_strict_verify_rejects_a_run_that_is_not_the_documented_one(lab_runs, tmp_path):
+    """Runs on real data (their records say so here) with another configuration: strict verify names the first
+    departure it meets and the remedy."""
+    artifacts = shutil.copytree(lab_runs[0], tmp_path / "artifacts")
+    for mode in ("every", "no_sync"):
+        record = read_json(artifacts / mode / "run.json")
+        record["config"]["data_synthetic"] = False
+        (artifacts / mode / "run.json").write_text(json.dumps(record))
     result = run_python("verify.py", "--artifacts", artifacts)
     assert result.returncode == 1
     error = result.stderr.strip()

@@ -196,7 +196,8 @@ def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_a
         assert time.monotonic() - started < 60
         assert_train_error(
             result,
-            f"train.py: error: --output {output} is being written by a run that is still going (train.py, pid",
+            f"train.py: error: [rank 0, node 0] --output {output} is being written by a run that is still going "
+            "(train.py, pid",
             "wait for it to finish, or pass another --output",
         )
         assert first.poll() is None, "the first run died"

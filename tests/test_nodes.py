@@ -150,7 +150,8 @@ def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_dat
         seconds,
         "train.py: error: [rank 1, node 1] its data in data/ differ from rank 0's: fingerprint of images and labels",
     )
-    assert list((node0 / "artifacts").iterdir()) == []  # the output was checked, nothing was written
+    # The output was checked and claimed (its lock file), nothing was written.
+    assert [path.name for path in (node0 / "artifacts").iterdir()] == [".every.lock"]
 
 
 def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_data):

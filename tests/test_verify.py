@@ -219,7 +219,8 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
 
     records.RunFolder(output, "nextrun").begin()
     assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [
-        ".no_sync.partial-nextrun"
+        ".no_sync.lock",
+        ".no_sync.partial-nextrun",
     ]
 
 
