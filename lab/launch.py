@@ -10,6 +10,7 @@ import hashlib
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -385,10 +386,13 @@ def bounded_teardown(place, seconds=TEARDOWN_SECONDS):
     watchdog = subprocess.Popen(
         ["sh", "-c", f"sleep {seconds}; {say}kill -KILL {os.getpid()}", "teardown-watchdog", line],
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
         yield
     finally:
-        watchdog.kill()
+        # The whole session: its sleep would otherwise hold this process's stderr open for `seconds` more, and
+        # whoever reads that pipe (a log, `| tee`, a test) would wait for it.
+        os.killpg(watchdog.pid, signal.SIGKILL)
         watchdog.wait()
