@@ -252,6 +252,8 @@ def run(args, place):
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
     session = resume.Session(args, place, config, device)  # a saved state to resume from, or none
+    if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
+        return
     run_id, started_at = session.run_id or records.new_run_id(), records.utc_now()
     folder = records.RunFolder(args.output, run_id)
     if is_writer:
@@ -309,11 +311,12 @@ def run(args, place):
         ddp_model, setup.loaders.test, criterion, device, autocast, progress, "test", group
     )
     if is_writer:
-        session.discard()  # the run is complete: nothing left to resume
-        report = records.write_results(
+        report, record = records.write_results(
             folder, args, config, confusion, majority, ddp_model.module, setup.source.test_images[0],
             (test_loss, test_accuracy), run_id, started_at,
         )  # fmt: skip
+        session.discard()  # everything is written: nothing left to resume (the saved state is not the run's)
+        folder.publish(record)
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     audit.settle_comm_hooks()
 
@@ -329,9 +332,12 @@ def main():
     except LabError as error:
         exit_with(usage_error or error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
     try:
-        launch.init_process_group()
+        place = launch.init_process_group(place)
         try:
-            launch.agree(place, lambda: launch.raise_if(usage_error))  # the options parsed on every node
+            # The options parsed, and the world of the expected size, on every node.
+            launch.agree(
+                place, lambda: launch.raise_if(usage_error) or launch.check_world_size(place, args.expected_world_size)
+            )
             run(args, place)
         finally:
             with launch.bounded_teardown(place):

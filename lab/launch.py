@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,18 +64,28 @@ class Place:
     world_size: int
     local_world_size: int
     nodes: int
+    start: int = 1  # the how-many-th start of this rank in this torchrun job (init_process_group: 2 on a restart)
+
+
+def world_size_error(expected, got):
+    return LabError(
+        f"expected world_size={expected}, got {got} (start it with torchrun: torchrun --standalone --nnodes=1 "
+        f"--nproc-per-node={expected} train.py --mode ... --output ...)",
+        kind="ValueError",
+    )
+
+
+def check_world_size(place, expected_world_size):
+    """Under torchrun, every rank (launch.agree) refuses a world of another size than expected; None: any."""
+    if expected_world_size not in (None, place.world_size):
+        raise world_size_error(expected_world_size, place.world_size)
 
 
 def launch_environment(expected_world_size):
-    """This process's Place under torchrun; plain python is world size 1 and is refused. None: any size."""
+    """This process's Place under torchrun; plain python (world size 1, no rank) is refused at once."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if world_size != (expected_world_size or world_size) or "RANK" not in os.environ:
-        raise LabError(
-            f"expected world_size={expected_world_size}, got {world_size} (start it with torchrun: "
-            f"torchrun --standalone --nnodes=1 --nproc-per-node={expected_world_size} train.py --mode ... "
-            f"--output ...)",
-            kind="ValueError",
-        )
+    if "RANK" not in os.environ:
+        raise world_size_error(expected_world_size, world_size)
     return Place(
         rank=int(os.environ["RANK"]),
         local_rank=int(os.environ["LOCAL_RANK"]),
@@ -185,7 +195,7 @@ def code_and_versions():
     digest = hashlib.sha256()
     for path in [LAB_ROOT / "train.py", LAB_ROOT / "model.py", *sorted((LAB_ROOT / "lab").glob("*.py"))]:
         digest.update(f"{path.relative_to(LAB_ROOT)}\n".encode() + path.read_bytes())
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None  # the build's, GPU or not
     return {
         "code sha256": digest.hexdigest()[:16],
         "python": platform.python_version(),
@@ -325,8 +335,9 @@ def agree_on_precision(args, place, device):
     return precision, sorted({theirs.hardware for _, _, theirs in gathered})
 
 
-def init_process_group():
-    """The default group, gloo, for the start-up's exchange (and on CPU for training).
+def init_process_group(place):
+    """The default group, gloo, for the start-up's exchange (and on CPU for training). Returns the place with
+    its start number.
 
     Under torchrun's restarts (--max-restarts) the rendezvous store can outlive the attempts, and its keys with
     them: gloo would read a dead attempt's addresses (Connection refused). And the nodes' agents need not
@@ -344,6 +355,7 @@ def init_process_group():
             world_size=world_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
+    return replace(place, start=start)
 
 
 @contextmanager

@@ -73,7 +73,16 @@ def batches_from(loader, start):
     if isinstance(loader, TensorLoader):
         return loader.batches(start)
     order = list(loader.sampler)[start * loader.batch_size :]  # the PIL loader: its sampler's order, cut
-    return iter(DataLoader(loader.dataset, sampler=order, batch_size=loader.batch_size, pin_memory=loader.pin_memory))
+    # A DataLoader's iterator draws its workers' base seed, from the global RNG unless it has a generator of its
+    # own: the epoch's loader drew it already, before the saved state; this one must draw nothing more.
+    cut = DataLoader(
+        loader.dataset,
+        sampler=order,
+        batch_size=loader.batch_size,
+        pin_memory=loader.pin_memory,
+        generator=torch.Generator(),
+    )
+    return iter(cut)
 
 
 # ----------------------------------------------------------------------------- the tensor loader

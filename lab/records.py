@@ -270,7 +270,8 @@ def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id,
 
 
 def write_results(folder, args, config, confusion, majority, model, test_image, test_metrics, run_id, started_at):
-    """Rank 0: report, checkpoint, pictures, then publish the run folder. Returns the report."""
+    """Rank 0: report, checkpoint and pictures into the run's partial folder. Returns the report and the run
+    record whose publish (RunFolder.publish) makes them the run."""
     matrix = confusion.tolist()
     test_size = config["test_size"]
     report = {
@@ -297,17 +298,16 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
     folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
     image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
     folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
-    folder.publish(
-        {
-            "run_id": run_id,
-            "mode": args.mode,
-            "config": config,
-            "data_dir": str(args.data_dir),
-            "started_at": started_at,
-            "finished_at": utc_now(),
-        }
-    )
-    return report
+    record = {
+        "run_id": run_id,
+        "mode": args.mode,
+        "config": config,
+        "data_dir": str(args.data_dir),
+        "launch_id": os.environ.get("TORCHELASTIC_RUN_ID"),  # the torchrun job (its rendezvous id)
+        "started_at": started_at,
+        "finished_at": utc_now(),
+    }
+    return report, record
 
 
 def top_confusions(matrix, limit=5):

@@ -42,6 +42,9 @@ STATE_RECORD = "resume_state.json"  # written after the state: its size, SHA-256
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; run again with --resume
 RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of its restarts of the worker group
 UNCHECKED_CONFIG = {"hardware"}  # what a resumed run may change: the machines it runs on
+# A scheduler signals every process of a job step and torchrun forwards its own SIGTERM: a worker can get two
+# within milliseconds for one request. Only a SIGTERM this long after the first means "exit at once".
+REPEATED_SIGTERM_SECONDS = 5
 
 
 class Preempted(LabError):
@@ -65,6 +68,17 @@ class EpochState:
     train_seconds: float = 0.0  # training time spent in this epoch by earlier starts of the run
     segment_started: float = None  # when this start of the run began the epoch's training (perf_counter)
     resumed_at: list = field(default_factory=list)  # micro-batches where this epoch's training resumed
+
+
+def finished_in_this_job(output):
+    """The run id of the run published in `output` by this torchrun job (run.json's launch_id), or None: a
+    restart that finds it has nothing left to do (the job failed after the publish, e.g. in its teardown)."""
+    path = output / records.RUN_RECORD_FILE
+    if not path.is_file():
+        return None
+    record = records.read_json(path)
+    launch_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return record.get("run_id") if launch_id and record.get("launch_id") == launch_id else None
 
 
 def unfinished_with_state(output):
@@ -132,13 +146,19 @@ class Session:
         self.place, self.config, self.device = place, config, device
         self.every_windows = args.checkpoint_every_windows
         self.stop_requested = False
+        self.first_sigterm = None
         signal.signal(signal.SIGTERM, self.on_sigterm)
-        restarted = int(os.environ.get(RESTART_VARIABLE, "0")) > 0
+        # A restart if any rank says so: the agents' counts need not agree (one restarted by another node's
+        # failure does not count it), and a rank's start number counts every start in this job.
+        restarted = torch.tensor([int(os.environ.get(RESTART_VARIABLE, "0")) > 0 or place.start > 1])
+        dist.all_reduce(restarted, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
 
         def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
-            folder = unfinished_with_state(args.output) if (args.resume or restarted) and place.rank == 0 else None
-            if folder is None:
+            if place.rank != 0 or not (args.resume or restarted.item()):
                 return None
+            folder = unfinished_with_state(args.output)
+            if folder is None:
+                return finished_in_this_job(args.output) if restarted.item() else None
             state = read_state(folder)
             keys = sorted((set(state["config"]) | set(config)) - UNCHECKED_CONFIG)
             differ = [
@@ -154,10 +174,13 @@ class Session:
                 )
             return state
 
-        state = agree(place, saved_state)
-        holder = [state]
+        holder = [agree(place, saved_state)]
         dist.broadcast_object_list(holder, src=0)  # every rank resumes, or none does
-        self.state = holder[0]
+        found = holder[0]
+        self.finished_run_id = found if isinstance(found, str) else None
+        self.state = found if isinstance(found, dict) else None
+        if self.finished_run_id and place.local_rank == 0:
+            print(f"train.py: run {self.finished_run_id} finished in this job; nothing left to do", file=sys.stderr)
         if self.state and place.local_rank == 0:
             where = self.state["epochs"][place.rank]
             print(
@@ -168,9 +191,12 @@ class Session:
             )
 
     def on_sigterm(self, signum, frame):
-        if self.stop_requested:  # the second one: at once
+        now = time.monotonic()
+        if self.first_sigterm is None:
+            self.first_sigterm = now
+            self.stop_requested = True
+        elif now - self.first_sigterm > REPEATED_SIGTERM_SECONDS:  # a second request: at once
             os._exit(128 + signum)
-        self.stop_requested = True
 
     @property
     def run_id(self):

@@ -91,9 +91,10 @@ def verify(artifacts, *args):
     return run_in_process("verify.py", "--artifacts", artifacts, "--expect-from-config", *args)
 
 
-def torchrun(script, *args, env=None, timeout=600):
+def torchrun(script, *args, env=None, timeout=600, launcher=()):
+    """script under torchrun (two ranks on this node), with torchrun's own `launcher` options."""
     return subprocess.run(
-        [*TORCHRUN, str(REPO / script), *map(str, args)],
+        [*TORCHRUN, *launcher, str(REPO / script), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -102,8 +103,11 @@ def torchrun(script, *args, env=None, timeout=600):
     )
 
 
-def train(data_dir, output, mode, *extra, env=None):
-    return torchrun("train.py", "--mode", mode, "--output", output, "--data-dir", data_dir, *SMALL_RUN, *extra, env=env)
+def train(data_dir, output, mode, *extra, env=None, launcher=()):
+    return torchrun(
+        "train.py", "--mode", mode, "--output", output, "--data-dir", data_dir, *SMALL_RUN, *extra,
+        env=env, launcher=launcher,
+    )  # fmt: skip
 
 
 def assert_ok(result):

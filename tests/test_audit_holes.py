@@ -20,6 +20,7 @@ from conftest import (
     copy_runs,
     read_json,
     run_in_process,
+    stderr_lines,
     subprocess_env,
     train,
     verify,
@@ -314,3 +315,17 @@ def test_a_teardown_that_hangs_is_ended_with_one_line(image_data, tmp_path):
     ]
     assert result.returncode == 1 and "Signal 9 (SIGKILL)" in result.stderr
     assert (tmp_path / "every" / records.RUN_RECORD_FILE).is_file()
+
+
+def test_a_restart_after_the_run_was_published_does_not_train_it_again(image_data, tmp_path):
+    """Under --max-restarts a teardown that hangs fails the finished job's first start: the restart finds the
+    run this job published (run.json's launch_id) and ends at once, exit 0, the run left as it was."""
+    output = tmp_path / "every"
+    hang = subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1")
+    result = train(image_data, output, "every", "--quiet", "--epochs", "1", env=hang, launcher=["--max-restarts=1"])
+    assert_ok(result)
+    report_lines = [json.loads(line) for line in result.stdout.splitlines() if '"model_test_accuracy"' in line]
+    record = read_json(output / records.RUN_RECORD_FILE)
+    assert len(report_lines) == 1 and report_lines[0]["run_id"] == record["run_id"]
+    assert f"train.py: run {record['run_id']} finished in this job; nothing left to do" in stderr_lines(result)
+    assert "did not close within" in result.stderr and "resuming" not in result.stderr

@@ -110,6 +110,35 @@ def test_with_augmentation_both_loaders_keep_the_samplers_order(small_source):
     assert not torch.equal(epochs[0], epochs[1])  # set_epoch reshuffles
 
 
+@pytest.mark.parametrize("kind", ["pil", "tensor"])
+def test_an_epoch_resumed_inside_goes_on_with_the_uninterrupted_batches(small_source, kind):
+    """A resumed run restores the RNG states saved after batch 3 and reads the epoch on from there
+    (loaders.batches_from): the same augmented batches as the run that never stopped."""
+    split = data.make_split(small_source, seed=47, rank=1, world_size=2)
+    train = loaders.build_loaders(kind, small_source, split, 8, 1, 2, CPU, augment_seed=47).train
+    generator = getattr(train, "generator", None)  # the tensor loader's augmentation draws from its own
+
+    def start_the_run():
+        torch.manual_seed(5)
+        if generator is not None:
+            generator.manual_seed(47)
+
+    start_the_run()
+    uninterrupted = [images for images, _ in loaders.batches_from(train, 0)]
+    start_the_run()
+    batches = loaders.batches_from(train, 0)
+    for _ in range(3):
+        next(batches)
+    saved = torch.get_rng_state(), generator.get_state() if generator is not None else None
+    torch.manual_seed(6)  # the restarted process starts elsewhere
+    torch.set_rng_state(saved[0])
+    if generator is not None:
+        generator.set_state(saved[1])
+    resumed = [images for images, _ in loaders.batches_from(train, 3)]
+    assert len(resumed) == len(uninterrupted) - 3 > 0
+    assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:]))
+
+
 def test_the_decode_cache_is_built_once_used_and_rebuilt_when_a_file_changes(tmp_path, monkeypatch):
     root = tmp_path / "data"
     synthetic_data.write_dataset(root, "image-folders", 40, 20)

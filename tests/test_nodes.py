@@ -174,6 +174,15 @@ def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
     )
 
 
+def test_a_node_that_expects_another_world_size_stops_both(tmp_path, image_data):
+    """The check of the world's size runs on every rank and is agreed: a node that refuses it alone does not
+    leave the other waiting for it in the process group's start."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    args, _ = same_run("every")
+    results, seconds = two_nodes([node0, node1], args, [*args, "--expected-world-size", "4"])
+    assert_both_nodes_stop(results, seconds, "ValueError: [rank 1, node 1] expected world_size=4, got 2")
+
+
 def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     args, _ = same_run("every", ["--epochs", "50"])

@@ -25,7 +25,8 @@ LAB_TEST_NAN_AT_STEP ("<rank>:<step>", rank * for all): a NaN in one gradient ju
   step writes into the parameters.
 LAB_TEST_SAME_SHARD=1: every rank's DistributedSampler reads rank 0's shard (a sampler set up without the
   rank): the gradients still agree after the all-reduce.
-LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads can at exit.
+LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads can at exit (in the job's
+  first start only: a restart closes them).
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoints each stage with
@@ -187,7 +188,7 @@ if os.environ.get("LAB_TEST_SAME_SHARD"):
 
     DistributedSampler.__init__ = rank_0s_shard
 
-if os.environ.get("LAB_TEST_HANG_IN_TEARDOWN"):
+if os.environ.get("LAB_TEST_HANG_IN_TEARDOWN") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     import time
 
     import torch.distributed
