@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 # The suite is the CPU suite, in this process too (infer.py runs here): it means the same on a GPU machine.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -175,3 +176,12 @@ def lab_runs(tmp_path_factory, image_data):
         "no_sync": assert_ok(train(image_data, artifacts / "no_sync", "no_sync", *PROFILED, "--quiet")),
     }
     return artifacts, results
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """A gloo process group of this process alone (rank 0 of 1), for the audit's collectives in-process."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

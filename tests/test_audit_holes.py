@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import (
     assert_ok,
@@ -28,14 +27,6 @@ from conftest import (
 from lab import audit, checks, experiment, launch, records, witness
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- the step fingerprint

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import train
 from conftest import WORKERS, assert_ok, torchrun
@@ -107,14 +106,6 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     for thread in threads:
         thread.join()
     assert clock.total() == 8 * stops_per_thread
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -19,18 +19,10 @@ from conftest import (
     train,
     verify,
 )
-from lab import records
+from lab import experiment, records
 from model import CLASSES
 
-COUNTS = (
-    "optimizer_steps",
-    "gradient_syncs",
-    "sync_bucket_calls",
-    "allreduce_bytes",
-    "buffer_broadcast_collectives",
-    "broadcast_bytes",
-    "rebuild_broadcast_collectives",
-)
+COUNTS = ("optimizer_steps", *experiment.COUNTS)
 
 
 @pytest.fixture
