@@ -107,13 +107,15 @@ def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
 
 def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_path):
     """The optimizer finds no gradients (tests/inject): every count, position, agreement and BatchNorm counter
-    holds, and the run sits at chance; the steps that changed no parameter give it away."""
+    holds, and the run sits at chance (so the working pipeline's accuracy, above 0.5 in test_e2e.py, is evidence
+    that it learns); the steps that changed no parameter give it away."""
     artifacts, _ = lab_runs
     runs = tmp_path / "artifacts"
     shutil.copytree(artifacts / "no_sync", runs / "no_sync")
     assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_LOSE_GRADIENTS="1")))
     rows = read_json(runs / "every" / "history.json")
     assert [(row["steps_with_ranks_agreed"], row["steps_that_changed_parameters"]) for row in rows] == [(5, 0), (5, 0)]
+    assert read_json(runs / "every" / "report.json")["model_test_accuracy"] < 0.25
     assert_one_line_error(
         verify(runs),
         f"{runs}/every/history.json: epoch 1: 5 of 5 optimizer steps changed no parameter: the optimizer did not "
@@ -285,38 +287,25 @@ def test_a_dead_nccl_peer_ends_the_job_within_a_minute(monkeypatch):
     assert launch.NCCL_TIMEOUT + timedelta(seconds=15) <= timedelta(minutes=1)
 
 
-def test_a_teardown_that_hangs_is_ended_with_one_line(image_data, tmp_path):
-    """Closing the process groups hangs (tests/inject): the watchdog ends each process after 10 s with one
-    line from the node, and the run it closes is complete."""
+def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(image_data, tmp_path):
+    """Closing the process groups hangs in the job's first start (tests/inject): the watchdog ends each process
+    after 10 s with one line from the node (SIGKILL), the run it closes complete. Under --max-restarts the
+    restart finds the run this job published (run.json's launch_id) and ends at once, exit 0, the run left as
+    it was."""
+    output = tmp_path / "every"
+    hang = subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1")
     started = time.monotonic()
-    result = train(
-        image_data,
-        tmp_path / "every",
-        "every",
-        "--quiet",
-        "--epochs",
-        "1",
-        env=subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1"),
-    )
+    result = train(image_data, output, "every", "--quiet", "--epochs", "1", env=hang, launcher=["--max-restarts=1"])
     assert time.monotonic() - started < 90
+    assert_ok(result)
     lines = [line for line in result.stderr.splitlines() if "did not close within" in line]
     assert lines == [
         "train.py: the process groups did not close within 10 s (gloo's threads still held the communication hook's "
         "callbacks); ending the process (the run's artifacts were written before it)"
     ]
-    assert result.returncode == 1 and "Signal 9 (SIGKILL)" in result.stderr
-    assert (tmp_path / "every" / records.RUN_RECORD_FILE).is_file()
-
-
-def test_a_restart_after_the_run_was_published_does_not_train_it_again(image_data, tmp_path):
-    """Under --max-restarts a teardown that hangs fails the finished job's first start: the restart finds the
-    run this job published (run.json's launch_id) and ends at once, exit 0, the run left as it was."""
-    output = tmp_path / "every"
-    hang = subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1")
-    result = train(image_data, output, "every", "--quiet", "--epochs", "1", env=hang, launcher=["--max-restarts=1"])
-    assert_ok(result)
+    assert "exitcode: -9" in result.stderr  # torchrun saw the first start killed, then restarted it
     report_lines = [json.loads(line) for line in result.stdout.splitlines() if '"model_test_accuracy"' in line]
     record = read_json(output / records.RUN_RECORD_FILE)
     assert len(report_lines) == 1 and report_lines[0]["run_id"] == record["run_id"]
     assert f"train.py: run {record['run_id']} finished in this job; nothing left to do" in stderr_lines(result)
-    assert "did not close within" in result.stderr and "resuming" not in result.stderr
+    assert "resuming" not in result.stderr
