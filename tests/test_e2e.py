@@ -206,7 +206,7 @@ def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
     """The synthetic data are learnable only through their labels: with the training labels shuffled
     the same pipeline stays near chance, so the quick run's accuracy means something."""
     root = tmp_path / "data"
-    synthetic_data.write_dataset(root, "image-folders", 1000, 200)
+    synthetic_data.write_dataset(root, "image-folders", 500, 200)
     files = sorted((root / "train").rglob("*.png"))
     targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
     for index, (path, target) in enumerate(zip(files, targets)):

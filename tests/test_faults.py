@@ -23,7 +23,8 @@ from conftest import (
     train,
     verify,
 )
-from lab import records
+from lab import launch, records
+from lab.cli import LabError
 
 
 def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
@@ -50,23 +51,22 @@ def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
     assert line.startswith("train.py: error: ") and "--help" in line
 
 
-def test_an_output_path_that_is_a_file_is_refused(image_data, tmp_path):
-    (tmp_path / "out").write_text("a file")
-    result = train(image_data, tmp_path / "out", "every")
-    assert_train_error(result, "--output", "is a file; pass a folder path")
-
-
-def test_an_output_path_that_cannot_be_written_is_refused(image_data):
-    result = train(image_data, Path("/sys/ddp-no-sync-lab/every"), "every")  # refused even to root
-    assert_train_error(result, "--output /sys/ddp-no-sync-lab/every is not writable")
-
-
-def test_an_output_folder_with_foreign_files_is_never_replaced(image_data, tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "thesis.tex").write_text("keep me")
-    result = train(image_data, tmp_path / "out", "every")
-    assert_train_error(result, "holds files that are not lab artifacts")
-    assert (tmp_path / "out" / "thesis.tex").read_text() == "keep me"
+def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):
+    """launch.check_output, which rank 0 runs before any training (the one-line plumbing of a rank-0 refusal
+    under torchrun: test_a_second_run_into_an_output_in_use...)."""
+    (tmp_path / "file").write_text("a file")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "thesis.tex").write_text("keep me")
+    refusals = {
+        tmp_path / "file": f"--output {tmp_path}/file is a file; pass a folder path",
+        Path("/sys/ddp-no-sync-lab/every"): "--output /sys/ddp-no-sync-lab/every is not writable",  # even to root
+        tmp_path / "foreign": f"--output {tmp_path}/foreign holds files that are not lab artifacts",
+    }
+    for output, message in refusals.items():
+        with pytest.raises(LabError) as refused:
+            launch.check_output(output)
+        assert str(refused.value).startswith(message)
+    assert (tmp_path / "foreign" / "thesis.tex").read_text() == "keep me"
 
 
 def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):

@@ -9,9 +9,9 @@ hand-made reference after each step. In float32 it also compares each mode with 
 that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
 divided, a step inside the window, a short window divided by accum_steps), which must differ. Under BF16
 autocast on float32 weights (precision.py's bf16) it runs the full windows with the broken plans too, on 8x8
-images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instructions; float64, which no CPU
-computes fast, runs on 16x16 images. What they check does not depend on the image size (the CNN ends in a
-global average); float32, the lab's other precision, runs on CIFAR's 32x32.
+images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instructions; float64 and float32 run
+on 16x16 images, a quarter of CIFAR's compute. What they check does not depend on the image size (the CNN ends
+in a global average).
 """
 
 import json
@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
 from lab import audit, cli, experiment  # noqa: E402
 from lab.precision import choose_precision  # noqa: E402
-from model import IMAGE_SIZE, MEMORY_FORMAT, CifarCNN  # noqa: E402
+from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
 
 BATCH, ACCUM, SEED = 8, 4, 47
-BF16_IMAGE_SIZE, FLOAT64_IMAGE_SIZE = 8, 16
+BF16_IMAGE_SIZE, FLOAT_IMAGE_SIZE = 8, 16
 CPU = torch.device("cpu")
 
 
-def dataset(micro_batches, world_size, dtype, image_size=IMAGE_SIZE):
+def dataset(micro_batches, world_size, dtype, image_size):
     generator = torch.Generator().manual_seed(0)
     count = micro_batches * BATCH * world_size
     inputs = torch.randn(count, 3, image_size, image_size, generator=generator, dtype=dtype)
@@ -206,8 +206,8 @@ def main():
     bfloat16_autocast = partial(choose_precision("bf16", CPU).autocast, "cpu")  # as train.py --precision bf16
     cases = (("full_windows", 12, "error"), ("partial_window", 14, "scale"))
     precisions = (
-        ("float64", torch.float64, nullcontext, cases, FLOAT64_IMAGE_SIZE),
-        ("float32", torch.float32, nullcontext, cases, IMAGE_SIZE),  # as train.py --precision fp32
+        ("float64", torch.float64, nullcontext, cases, FLOAT_IMAGE_SIZE),
+        ("float32", torch.float32, nullcontext, cases, FLOAT_IMAGE_SIZE),  # as train.py --precision fp32
         ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1], BF16_IMAGE_SIZE),
     )
     results = {}
