@@ -316,7 +316,7 @@ def run(args, place):
             (test_loss, test_accuracy), run_id, started_at,
         )  # fmt: skip
         session.discard()  # everything is written: nothing left to resume (the saved state is not the run's)
-        folder.publish(record)
+        folder.publish({**record, "launch_id": place.job})  # the torchrun job that made it (a restart reads it)
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     audit.settle_comm_hooks()
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -65,6 +66,7 @@ class Place:
     local_world_size: int
     nodes: int
     start: int = 1  # the how-many-th start of this rank in this torchrun job (init_process_group: 2 on a restart)
+    job: str = ""  # this torchrun job's own token, the same in all its attempts (init_process_group)
 
 
 def world_size_error(expected, got):
@@ -343,10 +345,13 @@ def init_process_group(place):
     them: gloo would read a dead attempt's addresses (Connection refused). And the nodes' agents need not
     agree on an attempt's number (TORCHELASTIC_RESTART_COUNT counts one agent's own failures, not a restart
     forced by another node's). So each attempt's keys go under a prefix every rank derives alike: the how-many-th
-    start of its rank this store has seen, each rank starting once per attempt.
+    start of its rank this store has seen, each rank starting once per attempt. A fresh store per attempt (other
+    rendezvous backends) gives a restart another job token: it then trains again rather than skip anything.
     """
     store, rank, world_size = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
     start = store.add(f"lab/starts/rank-{rank}", 1)
+    # The job's token: the first rank to ask sets it; --rdzv-id cannot serve, a later job may reuse it.
+    job = store.compare_set("lab/job", "", uuid.uuid4().hex).decode()
     with c_stdout_to_stderr():
         dist.init_process_group(
             "gloo",
@@ -355,7 +360,7 @@ def init_process_group(place):
             world_size=world_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-    return replace(place, start=start)
+    return replace(place, start=start, job=job)
 
 
 @contextmanager

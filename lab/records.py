@@ -303,7 +303,6 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
         "mode": args.mode,
         "config": config,
         "data_dir": str(args.data_dir),
-        "launch_id": os.environ.get("TORCHELASTIC_RUN_ID"),  # the torchrun job (its rendezvous id)
         "started_at": started_at,
         "finished_at": utc_now(),
     }

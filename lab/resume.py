@@ -22,6 +22,7 @@ line. A second SIGTERM exits at once, leaving the last complete state.
 
 import copy
 import io
+import json
 import os
 import random
 import signal
@@ -70,15 +71,17 @@ class EpochState:
     resumed_at: list = field(default_factory=list)  # micro-batches where this epoch's training resumed
 
 
-def finished_in_this_job(output):
-    """The run id of the run published in `output` by this torchrun job (run.json's launch_id), or None: a
-    restart that finds it has nothing left to do (the job failed after the publish, e.g. in its teardown)."""
+def finished_in_this_job(output, job, config):
+    """The run id of the run this torchrun job published in `output` (run.json's launch_id is this job's
+    token, its configuration this one), or None: a restart that finds it has nothing left to do (the job failed
+    after the publish, e.g. in its teardown)."""
     path = output / records.RUN_RECORD_FILE
     if not path.is_file():
         return None
-    record = records.read_json(path)
-    launch_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return record.get("run_id") if launch_id and record.get("launch_id") == launch_id else None
+    record, ours = records.read_json(path), json.loads(records.json_bytes(config))  # compared as JSON holds them
+    keys = (set(record["config"]) | set(ours)) - UNCHECKED_CONFIG
+    same = record.get("launch_id") == job and all(record["config"].get(key) == ours.get(key) for key in keys)
+    return record.get("run_id") if same else None
 
 
 def unfinished_with_state(output):
@@ -158,7 +161,7 @@ class Session:
                 return None
             folder = unfinished_with_state(args.output)
             if folder is None:
-                return finished_in_this_job(args.output) if restarted.item() else None
+                return finished_in_this_job(args.output, place.job, config) if restarted.item() else None
             state = read_state(folder)
             keys = sorted((set(state["config"]) | set(config)) - UNCHECKED_CONFIG)
             differ = [

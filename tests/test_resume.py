@@ -224,3 +224,16 @@ def test_two_nodes_restarted_after_one_dies_finish_and_pass_the_audit(uninterrup
     result = verify(node0 / "artifacts")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no_sync resumed at epoch 2" in result.stdout
+
+
+def test_only_this_job_and_this_configuration_count_as_finished(tmp_path):
+    """A restart skips training only for the run its own torchrun job published with its own configuration: a
+    later job (another token, even with the same --rdzv-id) or other options train again."""
+    config = {"mode": "every", "epochs": 2, "hardware": ["CPU AVX2"]}
+    (tmp_path / records.RUN_RECORD_FILE).write_bytes(
+        records.json_bytes({"run_id": "r1", "config": config, "launch_id": "job-a"})
+    )
+    assert resume.finished_in_this_job(tmp_path, "job-a", {**config, "hardware": ["CPU AVX512"]}) == "r1"
+    assert resume.finished_in_this_job(tmp_path, "job-b", config) is None
+    assert resume.finished_in_this_job(tmp_path, "job-a", {**config, "epochs": 3}) is None
+    assert resume.finished_in_this_job(tmp_path / "nothing", "job-a", config) is None
