@@ -104,6 +104,20 @@ def torchrun(script, *args, env=None, timeout=600, launcher=()):
     )
 
 
+def start_train(*args, launcher=()):
+    """train.py under torchrun, started and returned at once: in a session of its own (a test can signal the
+    whole job), its output piped."""
+    return subprocess.Popen(
+        [*TORCHRUN, *launcher, str(REPO / "train.py"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
 def train(data_dir, output, mode, *extra, env=None, launcher=()):
     return torchrun(
         "train.py", "--mode", mode, "--output", output, "--data-dir", data_dir, *SMALL_RUN, *extra,

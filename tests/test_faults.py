@@ -4,21 +4,19 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import (
-    REPO,
     SMALL_RUN,
-    TORCHRUN,
     assert_ok,
     assert_one_line_error,
     assert_train_error,
     read_json,
     run_python,
+    start_train,
     subprocess_env,
     train,
     verify,
@@ -137,15 +135,9 @@ def rank_pid(launcher, rank):
 
 def start_long_run(output, image_data):
     """train.py into `output` for 50 epochs, in a session of its own, returned once training is under way."""
-    launcher = subprocess.Popen(
-        [*TORCHRUN, str(REPO / "train.py"), "--mode", "every", "--output", str(output), "--data-dir", str(image_data),
-         *SMALL_RUN, "--epochs", "50", "--progress-every", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        start_new_session=True,
+    launcher = start_train(
+        "--mode", "every", "--output", output, "--data-dir", image_data, *SMALL_RUN, "--epochs", "50",
+        "--progress-every", "0",
     )  # fmt: skip
     for line in launcher.stderr:  # wait until training is under way
         if "train:" in line:

@@ -5,21 +5,18 @@ and a saved state that was altered, or another configuration, is refused with on
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import (
-    REPO,
     SMALL_RUN,
     TIMING,
     assert_ok,
     assert_train_error,
     read_json,
-    subprocess_env,
+    start_train,
     train,
     verify,
 )
@@ -34,20 +31,10 @@ RESTARTS = ["--max-restarts=1"]
 
 def start(output, data, *extra, restarts=()):
     """torchrun (two ranks, in a session of its own) running train.py into `output`, with progress lines."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", *restarts,
-        str(REPO / "train.py"), "--mode", "no_sync", "--output", str(output), "--data-dir", str(data),
-        *SMALL_RUN, *EPOCHS, "--progress-every", "0", *extra,
-    ]  # fmt: skip
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        start_new_session=True,
-    )
+    return start_train(
+        "--mode", "no_sync", "--output", output, "--data-dir", data, *SMALL_RUN, *EPOCHS, "--progress-every", "0",
+        *extra, launcher=restarts,
+    )  # fmt: skip
 
 
 def wait_for(launcher, fragment):
