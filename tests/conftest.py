@@ -34,11 +34,11 @@ INJECT = Path(__file__).resolve().parent / "inject"
 WORKERS = Path(__file__).resolve().parent / "workers"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
 
-# The small experiment most tests share: 500 train-source images (400 train, 100 validation), 200 test, local
-# batch 10, accum_steps 4, 2 epochs: 200 images and 20 micro-batches per rank and epoch, 5 windows. Its size
+# The small experiment most tests share: 200 train-source images (160 train, 40 validation), 100 test, local
+# batch 4, accum_steps 4, 2 epochs: 80 images and 20 micro-batches per rank and epoch, 5 windows. Its size
 # keeps `make test` within 20 minutes on a 2-core CPU without BF16 instructions (float32: docs/tests.md).
-SOURCE_IMAGES, TEST_IMAGES = 500, 200
-SMALL_RUN = ["--epochs", "2", "--batch-size", "10", "--accum-steps", "4", "--device", "cpu"]
+SOURCE_IMAGES, TEST_IMAGES = 200, 100
+SMALL_RUN = ["--epochs", "2", "--batch-size", "4", "--accum-steps", "4", "--device", "cpu"]
 # A history row's fields that measure time: they differ between reruns that agree on everything else.
 TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "validation_seconds", "run_id"}
 

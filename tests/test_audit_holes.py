@@ -132,12 +132,12 @@ def test_ranks_that_read_the_same_samples_are_refused(lab_runs, image_data, tmp_
     shutil.copytree(artifacts / "no_sync", runs / "no_sync")
     assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_SAME_SHARD="1")))
     rows = read_json(runs / "every" / "history.json")
-    assert rows[0]["sample_shards"] == {"samples_per_rank": 200, "distinct_samples": 200, "split_size": 400}
+    assert rows[0]["sample_shards"] == {"samples_per_rank": 80, "distinct_samples": 80, "split_size": 160}
     assert rows[0]["steps_with_ranks_agreed"] == 5
     assert_one_line_error(
         verify(runs),
-        f"{runs}/every/history.json: epoch 1: the 2 ranks read 200 samples each, 200 distinct of the 400 in the "
-        "train split (expected 200 each, all 400 distinct): the ranks' shards overlap",
+        f"{runs}/every/history.json: epoch 1: the 2 ranks read 80 samples each, 80 distinct of the 160 in the "
+        "train split (expected 80 each, all 160 distinct): the ranks' shards overlap",
         code=1,
     )
 
@@ -146,7 +146,7 @@ def test_the_shared_runs_record_disjoint_shards_and_steps_that_changed_the_weigh
     artifacts, _ = lab_runs
     for mode in experiment.MODES:
         for row in read_json(artifacts / mode / "history.json"):
-            assert row["sample_shards"] == {"samples_per_rank": 200, "distinct_samples": 400, "split_size": 400}
+            assert row["sample_shards"] == {"samples_per_rank": 80, "distinct_samples": 160, "split_size": 160}
             assert row["steps_that_changed_parameters"] == row["optimizer_steps"] == 5
             assert row["first_nonfinite_step"] is None
 

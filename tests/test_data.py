@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
-from conftest import assert_train_error, md5_sums, subprocess_env, verify
+from conftest import SOURCE_IMAGES, TEST_IMAGES, assert_train_error, md5_sums, subprocess_env, verify
 from conftest import train as run_train
 from lab import cli, data
 from tools import synthetic_data
@@ -138,7 +138,7 @@ def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
 
 def test_torchvision_layout_end_to_end_counts(tmp_path):
     """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
-    synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", 500, 100)
+    synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", SOURCE_IMAGES, TEST_IMAGES)
     env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / data.TORCHVISION_FOLDER)))
     for mode, syncs in (("every", 20), ("no_sync", 5)):
         result = run_train(tmp_path / "cifar", tmp_path / "artifacts" / mode, mode, "--epochs", "1", "--quiet", env=env)

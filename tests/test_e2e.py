@@ -1,7 +1,7 @@
 """train.py under torchrun on two CPU ranks, both modes, then verify.py and infer.py on what it wrote.
 
-The counts are worked out by hand for the small experiment of conftest.py: 400 training images per rank
-and epoch in micro-batches of 10 are 20 micro-batches, 5 windows of 4.
+The counts are worked out by hand for the small experiment of conftest.py: 80 training images per rank
+and epoch in micro-batches of 4 are 20 micro-batches, 5 windows of 4.
 """
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, train
+from conftest import SOURCE_IMAGES, TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, train
 from lab import records
 from model import CLASSES, CifarCNN, eval_transform
 from tools import synthetic_data
@@ -71,11 +71,11 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
 
 
 def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, tmp_path):
-    """200 images per rank in micro-batches of 50: one window per epoch. no_sync's only sync is the epoch's
+    """80 images per rank in micro-batches of 20: one window per epoch. no_sync's only sync is the epoch's
     last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
     artifacts = tmp_path / "artifacts"
     for mode in ("every", "no_sync"):
-        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "50", "--quiet"))
+        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "20", "--quiet"))
     history = read_json(artifacts / "no_sync" / "history.json")
     assert [
         (row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"])
@@ -94,7 +94,9 @@ def test_a_working_pipeline_beats_the_majority_baseline(lab_runs):
     for mode in EXPECTED:
         report = read_json(artifacts / mode / "report.json")
         assert report["baseline_accuracy"] == 0.1  # the synthetic test set is balanced, like CIFAR-10's
-        assert report["model_test_accuracy"] > 0.5
+        # 0.43 to 0.44 here, in BF16 and in float32, after 10 steps on 160 images; with shuffled labels the same
+        # pipeline stays under 0.25 (below), the baseline is 0.1.
+        assert report["model_test_accuracy"] > 0.3
         assert sum(map(sum, report["confusion_matrix"])) == TEST_IMAGES
 
 
@@ -115,8 +117,8 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
         assert checkpoint["run_id"] == record["run_id"] == read_json(folder / "report.json")["run_id"]
         assert records.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
         config = record["config"]
-        assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 10, 4, 2)
-        assert (config["train_size"], config["validation_size"], config["test_size"]) == (400, 100, TEST_IMAGES)
+        assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 4, 4, 2)
+        assert (config["train_size"], config["validation_size"], config["test_size"]) == (160, 40, TEST_IMAGES)
         assert (config["device"], config["backend"]) == ("cpu", "gloo")
         assert records.unfinished_runs(folder) == []
 
@@ -206,7 +208,7 @@ def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
     """The synthetic data are learnable only through their labels: with the training labels shuffled
     the same pipeline stays near chance, so the quick run's accuracy means something."""
     root = tmp_path / "data"
-    synthetic_data.write_dataset(root, "image-folders", 500, 200)
+    synthetic_data.write_dataset(root, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
     files = sorted((root / "train").rglob("*.png"))
     targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
     for index, (path, target) in enumerate(zip(files, targets)):

@@ -73,8 +73,8 @@ def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):
 
 
 def test_a_partial_last_window_stops_before_training_with_the_documents_message(image_data, tmp_path):
-    # 200 images per rank in micro-batches of 30: 7 micro-batches, not a multiple of 4.
-    result = train(image_data, tmp_path / "out", "every", "--batch-size", "30")
+    # 80 images per rank in micro-batches of 12: 7 micro-batches, not a multiple of 4.
+    result = train(image_data, tmp_path / "out", "every", "--batch-size", "12")
     line = assert_train_error(result, "RuntimeError: 7 micro-batch-uri nu se împart exact la accum_steps=4")
     assert "--partial-window scale" in line
     assert not tmp_path.joinpath("out").exists() and records.unfinished_runs(tmp_path / "out") == []
@@ -89,7 +89,7 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
                 artifacts / mode,
                 mode,
                 "--batch-size",
-                "30",
+                "12",
                 "--partial-window",
                 "scale",
                 "--epochs",

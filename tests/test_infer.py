@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import assert_one_line_error, read_json, run_in_process
+from conftest import TEST_IMAGES, assert_one_line_error, read_json, run_in_process
 from model import CLASSES
 
 
@@ -176,4 +176,4 @@ def test_evaluation_numerics_give_the_evaluations_classes(checkpoint, lab_runs, 
     matrix = [[0] * len(CLASSES) for _ in CLASSES]
     for line in lines:
         matrix[CLASSES.index(Path(line["path"]).parent.name)][CLASSES.index(line["class"])] += 1
-    assert len(lines) == 200 and matrix == read_json(artifacts / "no_sync" / "report.json")["confusion_matrix"]
+    assert len(lines) == TEST_IMAGES and matrix == read_json(artifacts / "no_sync" / "report.json")["confusion_matrix"]
