@@ -69,6 +69,11 @@ def parse_args(argv=None):
     add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
     add("--loader", choices=loaders.LOADERS, default="tensor", help="pil: the document's per-image pipeline")
     add("--activation-checkpointing", action="store_true", help="recompute the CNN's stages in the backward")
+    add("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="bf16, fp16: compress the gradients")
+    add("--bucket-cap-mb", type=non_negative_float, default=experiment.BUCKET_CAP_MB, help="DDP's gradient bucket cap")
+    add("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false", help="DDP's broadcast_buffers off")
+    for setting in ("static-graph", "find-unused-parameters", "gradient-as-bucket-view"):
+        add(f"--{setting}", action="store_true", help=f"DDP's {setting.replace('-', '_')}=True")
     add("--profile-windows", type=positive_int, metavar="K", help="profile K windows of epoch 1 (a second witness)")
     add("--resume", action="store_true", help="continue the unfinished run in --output (start it if none)")
     add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
@@ -81,37 +86,44 @@ def parse_args(argv=None):
 
 
 def counting_allreduce_hook(comm_audit, bucket):
-    """DDP's averaging all-reduce (divide by world size, then sum), counted and timed. An audit instrument.
+    """DDP's averaging all-reduce (divide by world size, then sum), or torch's compressing hook that the run
+    chose (--comm-hook), counted and timed. An audit instrument.
 
     DDP calls the hook once per gradient bucket; bucket.is_last() marks the end of one synchronized backward.
     """
     comm_audit.sync_bucket_calls += 1
-    comm_audit.gradient_syncs += bucket.is_last()
+    if bucket.is_last():
+        comm_audit.count_sync()  # and DDP's used-parameter all-reduce, when its settings make one
     tensor = bucket.buffer()
-    comm_audit.allreduce_bytes += tensor.numel() * tensor.element_size()
-    tensor.div_(comm_audit.world_size)
+    comm_audit.allreduce_bytes += tensor.numel() * experiment.SENT_ELEMENT_BYTES[comm_audit.comm_hook]
     started = comm_audit.clock.start()
 
     def finished(future):
         comm_audit.clock.stop(started)
-        return future.value()[0]
+        value = future.value()  # the all-reduce's [tensor]; a compressing hook's tensor
+        return value[0] if isinstance(value, list) else value
 
+    if comm_audit.comm_hook != "allreduce":
+        return audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket).then(finished)
+    tensor.div_(comm_audit.world_size)
     return dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future().then(finished)
 
 
-def wrap_model(model, device, world_size, group=None):
-    """DDP with the document's settings (one 25 MB bucket, buffers broadcast) and the counting hook."""
+def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DEFAULTS):
+    """DDP with the run's settings (the document's: one 25 MB bucket, buffers broadcast) and the counting hook."""
     ddp_model = audit.AuditedDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=experiment.BUCKET_CAP_MB,
-        broadcast_buffers=True,
         process_group=group,
+        **{name: value for name, value in settings.items() if name != "comm_hook"},
     )
-    comm_audit = audit.CommAudit(world_size=world_size, group=group, clock=audit.CollectiveClock(device.type))
+    comm_audit = audit.CommAudit(
+        world_size, group, settings["comm_hook"], settings["find_unused_parameters"], settings["static_graph"],
+        audit.CollectiveClock(device.type),
+    )  # fmt: skip
     ddp_model.comm_audit = comm_audit
     ddp_model.register_comm_hook(comm_audit, counting_allreduce_hook)
-    audit.check_ddp_settings(ddp_model)
+    audit.check_ddp_settings(ddp_model, settings)
     return ddp_model, comm_audit
 
 
@@ -205,6 +217,8 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
     every rank evaluates the same model, the one saved in model.pt.
     """
     ddp_model.eval()
+    if not ddp_model.broadcast_buffers:  # each rank kept its own BatchNorm statistics: evaluate rank 0's
+        ddp_model.broadcast_rank_0_buffers()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     confusion = torch.zeros(len(CLASSES), len(CLASSES), dtype=torch.int64, device=device)
     classes = torch.arange(len(CLASSES), device=device)
@@ -240,7 +254,8 @@ def run(args, place):
     majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
 
     model = CifarCNN(activation_checkpointing=args.activation_checkpointing)
-    ddp_model, comm_audit = wrap_model(model.to(device, memory_format=MEMORY_FORMAT), device, place.world_size, group)
+    model = model.to(device, memory_format=MEMORY_FORMAT)
+    ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
@@ -272,19 +287,9 @@ def run(args, place):
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
         with profiled or nullcontext(), audit.ddp_errors_explained():
             train_epoch(
-                ddp_model,
-                setup.loaders.train,
-                plan,
-                args.mode,
-                optimizer,
-                criterion,
-                device,
-                autocast,
-                progress,
-                profiled,
-                epoch,
-                session,
-            )
+                ddp_model, setup.loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress,
+                profiled, epoch, session,
+            )  # fmt: skip
         validation_started = audit.read_clock(device)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         validation = evaluate(

@@ -8,14 +8,18 @@ network namespace of its own (unshare --net) whose loopback, brought up with an 
 whole test network. `tc qdisc ... tbf rate R` on that loopback limits the link to R Mbit/s; it carries both
 directions through one queue, so the emulated link is half-duplex (a real full-duplex link of rate R is up
 to twice as fast for the same all-reduce). Two torchrun nodes (one process each, one core each,
-OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only. For each rate both modes
-train --steps optimizer steps of the documented window (local batch 50, accum_steps 4) in one epoch, --repeats
-times in turn (every, no_sync, no_sync, every, ...), and the mean times are compared.
+OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only. For each rate and each
+--accum-steps A both modes train --steps optimizer steps (local batch 50, train.py's --comm-hook) in one epoch,
+--repeats times in turn (every, no_sync, no_sync, every, ...), and the mean times are compared.
 
-The model (README "Across machines"): c = compute per micro-batch (from the unlimited run), s = time per
-synchronized micro-batch in collectives at rate R (the audit's comm_seconds / gradient_syncs), A = accum_steps.
-A window costs A(c + s) under `every` and Ac + s under `no_sync`; the predicted speedup is A(c+s)/(Ac+s).
-The table, artifacts/bench/network.json and artifacts/bench/network.png hold both with the relative error.
+The model (benchmarks/link_model.py, docs/across-machines.md): a window costs A(c + s) under `every` and Ac + s under `no_sync`, c the
+compute per micro-batch, s the time of one sync. Two predictions of it stand beside the measurement:
+- from first principles, before any run over a slow link: c and one latency term L (the seconds per sync
+  without a link limit) measured once on the unlimited runs, and s = L + W / R, W the bits one sync puts
+  through the link: the audit's bytes per sync, sent by both ranks (a two-rank all-reduce sends each rank's
+  buffer once), with the TCP/IP and Ethernet framing (WIRE_BYTES_PER_PAYLOAD_BYTE);
+- from the sync time measured in the same run (the audit's comm_seconds / gradient_syncs at that rate).
+The table, artifacts/bench/network.json and artifacts/bench/network.png hold both with their errors.
 Everything it made (namespace, qdisc, processes, temporary files) is gone when it exits, Ctrl-C included.
 """
 
@@ -40,10 +44,20 @@ from lab.precision import PRECISIONS  # noqa: E402
 from model import CLASSES  # noqa: E402
 from tools import loopback, netns, synthetic_data  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from link_model import (  # noqa: E402
+    WIRE_BYTES_PER_PAYLOAD_BYTE,
+    analyse,
+    link_fit,
+    predicted_speedup,
+    print_model_table,
+    print_table,
+    rate_label,
+)
+
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
 RUN_TIMEOUT = 600
-SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table
 
 
 def parse_rates(text):
@@ -64,12 +78,26 @@ def parse_rates(text):
     return rates
 
 
+def parse_accum_steps(text):
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = [0]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, separated by commas, got {text!r}")
+    return values
+
+
 def parse_args():
     parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})"
     )
     parser.add_argument("--steps", type=cli.positive_int, default=12, help="optimizer steps per run (default 12)")
+    parser.add_argument(
+        "--accum-steps", type=parse_accum_steps, default=[experiment.DOCUMENTED["accum_steps"]], help="e.g. 2,4,8"
+    )
+    parser.add_argument("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="as train.py's")
     parser.add_argument(
         "--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)"
     )
@@ -80,10 +108,6 @@ def parse_args():
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
-
-
-def rate_label(rate):
-    return "unlimited" if rate is None else f"{rate:g} Mbit/s"
 
 
 # ----------------------------------------------------------------------------- inside the namespace: the runs
@@ -161,7 +185,7 @@ class Nodes:
 
 def mean_run(samples):
     """One mode at one rate: the mean times of its runs, whose counts must agree."""
-    counts = {(run["gradient_syncs"], run["optimizer_steps"]) for run in samples}
+    counts = {(run["gradient_syncs"], run["optimizer_steps"], run["allreduce_bytes"]) for run in samples}
     if len(counts) != 1:
         raise cli.LabError(
             f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here"
@@ -171,126 +195,64 @@ def mean_run(samples):
         "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
         "gradient_syncs": samples[0]["gradient_syncs"],
         "optimizer_steps": samples[0]["optimizer_steps"],
+        "allreduce_bytes": samples[0]["allreduce_bytes"],
         "samples": [{key: run[key] for key in ("epoch_seconds", "comm_seconds")} for run in samples],
     }
 
 
-def measure(rates, steps, repeats, data_dir, precision, workspace, nodes):
+def measure(args, workspace, nodes):
     documented = experiment.DOCUMENTED
-    batch, accum, world = documented["batch_size"], documented["accum_steps"], documented["world_size"]
-    train_images = steps * accum * batch * world
-    source_size = train_images * experiment.VALIDATION_FRACTION // (experiment.VALIDATION_FRACTION - 1)
-    test_size = 500
-    data = workspace / "data"
-    if data_dir is None:
-        synthetic_data.write_dataset(data, "image-folders", source_size, test_size)
-    else:
-        subset_of(data_dir, data, source_size, test_size)
+    batch, world, test_size = documented["batch_size"], documented["world_size"], 500
+    data_folders = {}
+    for accum in args.accum_steps:  # --steps optimizer steps of A micro-batches per rank: one epoch
+        source_size = (
+            args.steps * accum * batch * world * experiment.VALIDATION_FRACTION // (experiment.VALIDATION_FRACTION - 1)
+        )
+        data_folders[accum] = workspace / f"data-accum-{accum}"
+        if args.data_dir is None:
+            synthetic_data.write_dataset(data_folders[accum], "image-folders", source_size, test_size)
+        else:
+            subset_of(args.data_dir, data_folders[accum], source_size, test_size)
     rows = []
-    for rate in rates:
+    for rate in args.rates:
         netns.set_link(rate)
-        samples = {mode: [] for mode in experiment.MODES}
-        # every, no_sync, no_sync, every, ...: a drift of the machine's speed during the pairs cancels out.
-        order = [
-            mode
-            for repeat in range(repeats)
-            for mode in (experiment.MODES if repeat % 2 == 0 else experiment.MODES[::-1])
-        ]
-        for index, mode in enumerate(order):
-            output = workspace / "runs" / f"{rate or 0:g}" / f"{mode}-{index}"
-            started = time.monotonic()
-            nodes.run(
-                ["--mode", mode, "--output", output, "--data-dir", data, "--epochs", 1, "--batch-size", batch,
-                 "--accum-steps", accum, "--device", "cpu", "--precision", precision, "--quiet"],
-                logs=output.with_name(f"{output.name}-logs"),
-            )  # fmt: skip
-            samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
-            chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
-            print(f"{rate_label(rate)}, {mode}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-        rows.append({"rate_mbit": rate, "runs": {mode: mean_run(runs) for mode, runs in samples.items()}})
-    setup = {"source_images": source_size, "test_images": test_size, "batch_size": batch, "accum_steps": accum}
-    return rows, {**setup, "precision": chosen}
+        for accum in args.accum_steps:
+            samples = {mode: [] for mode in experiment.MODES}
+            # every, no_sync, no_sync, every, ...: a drift of the machine's speed during the pairs cancels out.
+            order = [
+                mode
+                for repeat in range(args.repeats)
+                for mode in (experiment.MODES if repeat % 2 == 0 else experiment.MODES[::-1])
+            ]
+            for index, mode in enumerate(order):
+                output = workspace / "runs" / f"{rate or 0:g}-{accum}" / f"{mode}-{index}"
+                started = time.monotonic()
+                nodes.run(
+                    ["--mode", mode, "--output", output, "--data-dir", data_folders[accum], "--epochs", 1,
+                     "--batch-size", batch, "--accum-steps", accum, "--comm-hook", args.comm_hook, "--device", "cpu",
+                     "--precision", args.precision, "--quiet"],
+                    logs=output.with_name(f"{output.name}-logs"),
+                )  # fmt: skip
+                samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
+                chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
+                print(
+                    f"{rate_label(rate)}, A = {accum}, {mode}: {time.monotonic() - started:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            runs = {mode: mean_run(runs) for mode, runs in samples.items()}
+            rows.append({"rate_mbit": rate, "accum_steps": accum, "runs": runs})
+    setup = {"train_images_per_optimizer_step": batch * world, "test_images": test_size, "batch_size": batch}
+    return rows, {**setup, "accum_steps": args.accum_steps, "comm_hook": args.comm_hook, "precision": chosen}
 
 
-# ----------------------------------------------------------------------------- the model and the results
+# ----------------------------------------------------------------------------- the results
 
 
-def analyse(rows, accum):
-    unlimited = next(row for row in rows if row["rate_mbit"] is None)["runs"]
-    micro_batches = unlimited["every"]["gradient_syncs"]
-    compute = sum(run["epoch_seconds"] - run["comm_seconds"] for run in unlimited.values()) / (2 * micro_batches)
-    table = []
-    for row in rows:
-        every, no_sync = row["runs"]["every"], row["runs"]["no_sync"]
-        sync_seconds = (every["comm_seconds"] + no_sync["comm_seconds"]) / (
-            every["gradient_syncs"] + no_sync["gradient_syncs"]
-        )
-        step = {mode: run["epoch_seconds"] / run["optimizer_steps"] for mode, run in row["runs"].items()}
-        measured = step["every"] / step["no_sync"]
-        predicted = predicted_speedup(compute, sync_seconds, accum)
-        table.append(
-            {
-                "rate_mbit": row["rate_mbit"],
-                "every_step_seconds": step["every"],
-                "no_sync_step_seconds": step["no_sync"],
-                "seconds_per_sync": sync_seconds,
-                "gradient_syncs": {mode: run["gradient_syncs"] for mode, run in row["runs"].items()},
-                "optimizer_steps": {mode: run["optimizer_steps"] for mode, run in row["runs"].items()},
-                "measured_speedup": measured,
-                "predicted_speedup": predicted,
-                "relative_error": predicted / measured - 1,
-            }
-        )
-    return compute, table
-
-
-def predicted_speedup(compute, sync_seconds, accum):
-    return accum * (compute + sync_seconds) / (accum * compute + sync_seconds)
-
-
-def link_fit(table):
-    """s(R) = s_unlimited + V / R: V, the bits a synchronized micro-batch puts through the link, by least squares."""
-    s_unlimited = next(row["seconds_per_sync"] for row in table if row["rate_mbit"] is None)
-    limited = [row for row in table if row["rate_mbit"] is not None]
-    if not limited:
-        return s_unlimited, None
-    inverse = [1 / (row["rate_mbit"] * 1e6) for row in limited]
-    extra = [row["seconds_per_sync"] - s_unlimited for row in limited]
-    return s_unlimited, sum(e * i for e, i in zip(extra, inverse)) / sum(i * i for i in inverse)
-
-
-def print_table(compute, table, accum):
-    print(f"c = {compute * 1e3:.1f} ms compute per micro-batch (unlimited run), A = {accum}")
-    print(
-        "| link | every s/step | no_sync s/step | s per sync (ms) | syncs every/no_sync | measured speedup | predicted A(c+s)/(Ac+s) | error |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in table:
-        syncs = row["gradient_syncs"]
-        print(
-            f"| {rate_label(row['rate_mbit'])} | {row['every_step_seconds']:.3f} | {row['no_sync_step_seconds']:.3f} | "
-            f"{row['seconds_per_sync'] * 1e3:.1f} | {syncs['every']}/{syncs['no_sync']} | {row['measured_speedup']:.2f}x | "
-            f"{row['predicted_speedup']:.2f}x | {row['relative_error'] * 100:+.1f}% |"
-        )
-
-
-def print_model_table(table, compute, accum):
-    """The model alone, by s/c: when no_sync pays, beside where the measured rates fall."""
-    print(
-        f"predicted speedup A(1+r)/(A+r) by r = s/c (A = {accum}); measured rates: "
-        + ", ".join(f"{rate_label(row['rate_mbit'])} r = {row['seconds_per_sync'] / compute:.2f}" for row in table)
-    )
-    print("| s/c | " + " | ".join(f"{ratio:g}" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
-    print("|---|" + "---:|" * len(SYNC_TO_COMPUTE_RATIOS))
-    print(
-        "| predicted | "
-        + " | ".join(f"{predicted_speedup(1, ratio, accum):.2f}x" for ratio in SYNC_TO_COMPUTE_RATIOS)
-        + " |"
-    )
-
-
-def draw(compute, table, fit, accum):
-    s_unlimited, bits_per_sync = fit
+def draw(terms, table, accum):
+    """The speedup against the rate at one A: measured, and the first-principles model's points and curve."""
+    (compute, latency), table = terms, [row for row in table if row["accum_steps"] == accum]
+    wire_bits = table[0]["wire_bits_per_sync"]
     limited = sorted(row["rate_mbit"] for row in table if row["rate_mbit"] is not None)
     no_limit_x = math.log10(limited[-1]) + 0.5 if limited else 0
 
@@ -302,19 +264,19 @@ def draw(compute, table, fit, accum):
             "label": rate_label(row["rate_mbit"]),
             "x": position(row["rate_mbit"]),
             "speedup": row["measured_speedup"],
-            "predicted": row["predicted_speedup"],
+            "predicted": row["first_principles"]["speedup"],
         }
         for row in table
     ]
     curve = []
-    if limited and bits_per_sync is not None:
+    if limited:
         low, high = math.log10(limited[0]) - 0.3, math.log10(limited[-1]) + 0.3
         for index in range(61):
             x = low + (high - low) * index / 60
-            curve.append((x, predicted_speedup(compute, s_unlimited + bits_per_sync / 10**x / 1e6, accum)))
+            curve.append((x, predicted_speedup(compute, latency + wire_bits / 10**x / 1e6, accum)))
     caption = (
-        f"c = {compute * 1e3:.0f} ms per micro-batch; s = {s_unlimited * 1e3:.0f} ms + "
-        f"{(bits_per_sync or 0) / 1e6:.1f} Mbit / R per synchronized micro-batch (fitted); half-duplex tbf link"
+        f"A = {accum}; c = {compute * 1e3:.0f} ms per micro-batch; s = {latency * 1e3:.0f} ms + "
+        f"{wire_bits / 1e6:.1f} Mbit / R per sync (first principles); half-duplex tbf link"
     )
     return pictures.speedup_image(
         "no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption
@@ -335,33 +297,38 @@ def inside(args):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a plain kill too
     try:
         with tempfile.TemporaryDirectory(prefix="bench-network-") as workspace:
-            rows, setup = measure(
-                args.rates, args.steps, args.repeats, args.data_dir, args.precision, Path(workspace), nodes
-            )
+            rows, setup = measure(args, Path(workspace), nodes)
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    accum = setup["accum_steps"]
-    compute, table = analyse(rows, accum)
+    terms, table = analyse(rows)
     fit = link_fit(table)
-    print(f"precision: {setup['precision']} (train.py --precision {args.precision})")
-    print_table(compute, table, accum)
+    print(f"precision: {setup['precision']} (train.py --precision {args.precision}), --comm-hook {args.comm_hook}")
+    print_table(terms, table)
+    print(
+        f"fitted on the limited rates: {fit[1] / 1e6:.1f} Mbit per sync"
+        if fit[1]
+        else "no limited rate: nothing to fit"
+    )
     print()
-    print_model_table(table, compute, accum)
+    print_model_table(table, terms[0], args.accum_steps)
     result = {
         "machine": machine(),
         "torch": torch.__version__,
         "link": f"tbf on a network namespace's loopback (MTU {netns.LINK_MTU}), both directions through one queue",
         "setup": {**setup, "steps": args.steps, "repeats": args.repeats, "data": str(args.data_dir) if args.data_dir else "synthetic",
                   "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
-        "compute_seconds_per_micro_batch": compute,
+        "compute_seconds_per_micro_batch": terms[0],
+        "latency_seconds_per_sync": terms[1],
+        "wire_bytes_per_payload_byte": WIRE_BYTES_PER_PAYLOAD_BYTE,
         "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},
         "rows": table,
         "runs": rows,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     records.write_atomic(args.out / "network.json", records.json_bytes(result))
-    image, data = draw(compute, table, fit, accum)
+    documented = experiment.DOCUMENTED["accum_steps"]
+    image, data = draw(terms, table, documented if documented in args.accum_steps else args.accum_steps[0])
     records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lab.cli import LabError
-from lab.experiment import BUCKET_CAP_MB, COUNTS, REBUILD_BROADCASTS
+from lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
 
 
 def read_clock(device):
@@ -66,12 +67,23 @@ class CollectiveClock:
             return self.seconds
 
 
+# torch's compressing gradient hooks, by train.py's --comm-hook name: each casts the bucket, all-reduces the
+# cast and writes the mean back (experiment.SENT_ELEMENT_BYTES says what each sends).
+COMPRESSION_HOOKS = {
+    "bf16": default_hooks.bf16_compress_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
+
+
 @dataclass
 class CommAudit:
     """Per-rank running totals of what crosses between the ranks during training and evaluation."""
 
     world_size: int
     group: object = None  # the training collectives' process group (None: the default group)
+    comm_hook: str = "allreduce"  # the gradient hook the counting hook runs (experiment.COMM_HOOKS)
+    find_unused_parameters: bool = False  # DDP's settings that add an all-reduce no hook sees
+    static_graph: bool = False
     clock: CollectiveClock = field(default_factory=CollectiveClock)
     sync_bucket_calls: int = 0
     gradient_syncs: int = 0
@@ -79,6 +91,19 @@ class CommAudit:
     buffer_broadcast_collectives: int = 0
     broadcast_bytes: int = 0
     rebuild_broadcast_collectives: int = 0
+    used_map_allreduces: int = 0
+    wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
+
+    def count_sync(self):
+        """One synchronized backward ended (its last bucket's hook call); with it DDP's all-reduce of which
+        parameters got gradients, which no hook sees: at every sync while it searches for unused parameters, at
+        the wrapper's first under a static graph (tests/workers/comm_audit.py checks it against the profiler)."""
+        self.gradient_syncs += 1
+        self.wrapper_syncs += 1
+        if self.static_graph:
+            self.used_map_allreduces += self.wrapper_syncs == 1
+        else:
+            self.used_map_allreduces += self.find_unused_parameters
 
     def totals(self):
         totals = {name: getattr(self, name) for name in COUNTS}
@@ -156,6 +181,11 @@ class AuditedDDP(DDP):
     """DDP that also counts DDP's own collectives, which no comm hook sees: the BatchNorm buffer broadcasts
     (broadcast_buffers=True), counted and timed, and the one-time broadcast of its rebuilt bucket order."""
 
+    def broadcast_rank_0_buffers(self):
+        """What DDP does before a forward with broadcast_buffers=True, done on request: without it each rank keeps
+        its own BatchNorm statistics, and evaluation would mix the ranks' models (counted as DDP's are)."""
+        self._distributed_broadcast_coalesced(list(self.module.buffers()), BROADCAST_BUCKET_BYTES, 0)
+
     def _pre_forward(self, *inputs, **kwargs):
         rebuilt_before = self._has_rebuilt_buckets
         result = super()._pre_forward(*inputs, **kwargs)
@@ -174,24 +204,31 @@ class AuditedDDP(DDP):
         audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-# What experiment.expected_epoch_counts assumes of DDP: buffer broadcasts before synchronized forwards, every
-# parameter used (no search for unused ones), one bucket rebuild after the first synchronized backward (no
-# static graph), one 25 MB bucket for the 2.2 MB of gradients, the gradients all-reduced by the counting hook
-# alone and the buffers broadcast by DDP itself (no buffer hook).
+# What experiment.expected_epoch_counts derives from a run's DDP settings, read back from the wrapped model:
+# the buffers broadcast or not, the search for unused parameters, gradients as views of the buckets, the static
+# graph, the bucket cap; the gradients all-reduced by the counting hook alone (running the run's --comm-hook)
+# and the buffers broadcast by DDP itself (no buffer hook).
 COUNTING_HOOK = "counting_allreduce_hook"  # train.py's
-DDP_SETTINGS = {
-    "broadcast_buffers": True,
-    "find_unused_parameters": False,
-    "static_graph": False,
-    "bucket_bytes_cap": BUCKET_CAP_MB * 1024 * 1024,
-}
 
 
-def check_ddp_settings(ddp_model):
-    """The wrapped model has DDP_SETTINGS, train.py's counting hook as its only gradient hook, no buffer hook."""
-    expected = {**DDP_SETTINGS, "gradient comm hooks": [COUNTING_HOOK], "buffer comm hook": False}
-    actual = {name: getattr(ddp_model, name) for name in DDP_SETTINGS}
+def ddp_attributes(settings):
+    """The DDP attributes that hold a run's settings (experiment.ddp_settings), with the values they must have."""
+    attributes = {name: settings[name] for name in settings if name not in ("bucket_cap_mb", "comm_hook")}
+    return {**attributes, "bucket_bytes_cap": int(settings["bucket_cap_mb"] * 1024 * 1024)}
+
+
+def check_ddp_settings(ddp_model, settings):
+    """The wrapped model has the run's settings, train.py's counting hook as its only gradient hook (running the
+    run's --comm-hook), no buffer hook."""
+    expected = {
+        **ddp_attributes(settings),
+        "gradient comm hooks": [COUNTING_HOOK],
+        "counted hook": settings["comm_hook"],
+        "buffer comm hook": False,
+    }
+    actual = {name: getattr(ddp_model, name) for name in ddp_attributes(settings)}
     actual["gradient comm hooks"] = [hook.__name__ for hook, _ in ddp_model._comm_hooks]
+    actual["counted hook"] = ddp_model.comm_audit.comm_hook
     actual["buffer comm hook"] = hasattr(ddp_model, "buffer_hook")
     changed = [
         f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value
@@ -325,8 +362,22 @@ DDP_GRADIENT_ERRORS = {
 }
 
 
+# DDP's reducer under static_graph=True meeting no_sync(): an internal assert at the first backward inside it
+# (pytorch/pytorch#143580); where the assert is lifted, DDP stops all-reducing after the first window instead
+# (pytorch/pytorch#187732), which the audit's counts and fingerprints show.
+STATIC_GRAPH_ASSERT = "expect_autograd_hooks_ INTERNAL ASSERT FAILED"
+
+
 def explain_ddp_error(error):
     """A LabError of one line for DDP's gradient errors (None for any other error)."""
+    if STATIC_GRAPH_ASSERT in str(error):
+        return LabError(
+            f'--static-graph with no_sync(): DDP failed "{STATIC_GRAPH_ASSERT}" at the first backward inside '
+            f"no_sync() on torch {torch.__version__} (pytorch/pytorch#143580); run --mode no_sync without "
+            f"--static-graph",
+            kind="RuntimeError",
+            broken_process=True,  # the reducer, broken by its assert, aborts the process when it is destroyed
+        )
     for marker, what in DDP_GRADIENT_ERRORS.items():
         if marker in str(error):
             return LabError(

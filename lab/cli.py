@@ -13,13 +13,16 @@ class LabError(Exception):
 
     kind, when given, is the exception name the document's troubleshooting uses for this case
     ("ValueError: expected world_size=2, got 1"), kept so that the message can be searched for.
+    broken_process: torch's own state in this process is broken (an internal assert): it ends at once, without
+    running destructors that would abort it.
     """
 
     exit_code = 2
 
-    def __init__(self, message, kind=None):
+    def __init__(self, message, kind=None, broken_process=False):
         super().__init__(message)
         self.kind = kind
+        self.broken_process = broken_process
 
     def line(self, script):
         return f"{self.kind}: {self}" if self.kind else f"{script}: error: {self}"
@@ -28,6 +31,9 @@ class LabError(Exception):
 def exit_with(error, script, show=True):
     if show:
         print(error.line(script), file=sys.stderr, flush=True)
+    if error.broken_process:
+        sys.stdout.flush()
+        os._exit(error.exit_code)
     sys.exit(error.exit_code)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torchvision
 
-from lab import data, loaders
+from lab import data, experiment, loaders
 from lab.cli import ArgumentParser, LabError
 from lab.precision import choose_precision
 from lab.records import claim_output, is_replaceable_output
@@ -227,6 +227,7 @@ def shared_settings(args):
             "profile_windows",
             "resume",
             "checkpoint_every_windows",
+            *experiment.DDP_DEFAULTS,
         )
     }
 

@@ -20,7 +20,7 @@ from PIL import Image, PngImagePlugin
 
 from lab import pictures
 from lab.cli import LabError
-from lab.experiment import BUCKET_CAP_MB, COUNTS, as_progressions
+from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
 from model import CLASSES
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
@@ -217,8 +217,7 @@ def run_config(args, place, setup):
         "backend": setup.backend,
         "precision": setup.precision.name,
         "hardware": setup.hardware,
-        "bucket_cap_mb": BUCKET_CAP_MB,
-        "broadcast_buffers": True,
+        **{setting: getattr(args, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
         "torch": torch.__version__,
         "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }

@@ -174,8 +174,8 @@ def in_range(runs, first, stop):
 
 def check_profile(folder, record, history):
     """train.py --profile-windows K: the profiler's c10d calls in the recorded micro-batches of epoch 1 must
-    be the audit's for the same micro-batches, on every rank: each hook call and each rank-agreement
-    all-reduce (one per optimizer step) a c10d::allreduce_, each buffer or bucket-rebuild broadcast a
+    be the audit's for the same micro-batches, on every rank: each hook call, each of DDP's used-parameter-map
+    all-reduces and each rank-agreement all-reduce (one per optimizer step) a c10d::allreduce_, each buffer or bucket-rebuild broadcast a
     c10d::broadcast_; on gloo each call also executed once. Returns the profile, or None without one."""
     path = folder / PROFILE_FILE
     if PROFILE_FILE not in record["files"]:
@@ -232,8 +232,9 @@ def check_profile(folder, record, history):
         )
         expected = {
             "c10d::allreduce_": (
-                audit["sync_bucket_calls"] + steps,
-                f"{audit['sync_bucket_calls']} hook calls + {steps} rank-agreement all-reduces",
+                audit["sync_bucket_calls"] + audit["used_map_allreduces"] + steps,
+                f"{audit['sync_bucket_calls']} hook calls + {audit['used_map_allreduces']} used-parameter-map "
+                f"all-reduces + {steps} rank-agreement all-reduces",
             ),
             "c10d::broadcast_": (
                 audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],

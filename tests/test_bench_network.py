@@ -13,6 +13,7 @@ from conftest import REPO, assert_one_line_error, run_python
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_network  # noqa: E402
+import link_model  # noqa: E402
 
 
 def history_row(epoch_seconds, comm_seconds, syncs, steps):
@@ -21,24 +22,35 @@ def history_row(epoch_seconds, comm_seconds, syncs, steps):
         "comm_seconds": comm_seconds,
         "gradient_syncs": syncs,
         "optimizer_steps": steps,
+        "allreduce_bytes": syncs * 1_000_000,
     }
 
 
 def test_the_model_predicts_from_compute_and_sync_time():
     # c = 0.25 s per micro-batch; s = 0.01 s unlimited and 0.25 s on the slow link; 8 micro-batches, 2 steps.
     rows = [
-        {"rate_mbit": None, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
-        {"rate_mbit": 50, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
-    ]
-    compute, table = bench_network.analyse(rows, accum=4)
-    assert compute == pytest.approx(0.25)
+        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
+        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
+    ]  # fmt: skip
+    (compute, latency), table = link_model.analyse(rows)
+    assert compute == pytest.approx(0.25) and latency == pytest.approx(0.01)
     slow = table[1]
     assert slow["seconds_per_sync"] == pytest.approx(0.25)
     assert slow["measured_speedup"] == pytest.approx(4.0 / 2.5)
     assert slow["predicted_speedup"] == pytest.approx(4 * 0.5 / (4 * 0.25 + 0.25))  # A(c+s)/(Ac+s) = 1.6
     assert slow["relative_error"] == pytest.approx(1.6 / 1.6 - 1)
-    s_unlimited, bits = bench_network.link_fit(table)
+    s_unlimited, bits = link_model.link_fit(table)
     assert s_unlimited == pytest.approx(0.01) and bits == pytest.approx(0.24 * 50e6)
+    # From first principles: each sync puts both ranks' 1,000,000 bytes through the link, framed: 1,514-byte
+    # frames for 1,448 bytes of payload and a 66-byte ACK every second segment; s = L + W / R.
+    wire_bits = 2 * 1_000_000 * 8 * (1514 + 33) / 1448
+    assert slow["wire_bits_per_sync"] == pytest.approx(wire_bits)
+    first = slow["first_principles"]
+    sync = 0.01 + wire_bits / 50e6
+    assert first["seconds_per_sync"] == pytest.approx(sync)
+    assert first["every_step_seconds"] == pytest.approx(4 * (0.25 + sync))
+    assert first["no_sync_step_seconds"] == pytest.approx(4 * 0.25 + sync)
+    assert first["step_errors"]["every"] == pytest.approx(4 * (0.25 + sync) / 2.0 - 1)
 
 
 def test_a_node_that_writes_much_cannot_stall_the_other(tmp_path, monkeypatch):
@@ -77,21 +89,20 @@ def test_bad_rates_get_one_line(rates, message):
     )
 
 
-def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
-    """As root (CI runs as root), one optimizer step per mode at no limit and at 50 Mbit/s; as another
-    user, the one-line refusal."""
-    result = run_python(
-        "benchmarks/bench_network.py",
-        "--rates",
-        "unlimited,50",
-        "--steps",
-        "1",
-        "--repeats",
-        "1",
-        "--out",
-        tmp_path,
-        timeout=600,
+def test_bad_accumulation_steps_get_one_line():
+    assert_one_line_error(
+        run_python("benchmarks/bench_network.py", "--accum-steps", "2,0"),
+        "bench_network.py: error: argument --accum-steps: expected whole numbers of at least 1",
     )
+
+
+def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
+    """As root (CI runs as root), one optimizer step of 2 micro-batches per mode with BF16-compressed
+    gradients, at no limit and at 50 Mbit/s; as another user, the one-line refusal."""
+    result = run_python(
+        "benchmarks/bench_network.py", "--rates", "unlimited,50", "--accum-steps", "2", "--comm-hook", "bf16",
+        "--steps", "1", "--repeats", "1", "--out", tmp_path, timeout=600,
+    )  # fmt: skip
     if os.geteuid() != 0:
         assert_one_line_error(result, "needs root to make a network namespace")
         return
@@ -100,16 +111,15 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     record = json.loads((tmp_path / "network.json").read_text())
     assert [row["rate_mbit"] for row in record["rows"]] == [None, 50]
     for row in record["rows"]:
-        assert row["gradient_syncs"] == {"every": 4, "no_sync": 1} and row["optimizer_steps"] == {
-            "every": 1,
-            "no_sync": 1,
-        }
+        assert row["accum_steps"] == 2 and row["gradient_syncs"] == {"every": 2, "no_sync": 1}
+        assert row["optimizer_steps"] == {"every": 1, "no_sync": 1}
+        # BF16 compression: both ranks' 1,117,076 bytes, framed: 19.1 Mbit through the link per sync.
+        assert row["wire_bits_per_sync"] == pytest.approx(2 * 1_117_076 * 8 * (1514 + 33) / 1448)
     slow = record["rows"][1]
-    # A two-rank all-reduce over the half-duplex link moves both ranks' 2,234,152 bytes of gradients: 35.7 Mbit,
-    # 0.71 s at 50 Mbit/s, whatever the compute (the unlimited sync's time depends on it: it includes the wait
+    # 0.38 s at 50 Mbit/s, whatever the compute (the unlimited sync's time depends on it: it includes the wait
     # for the slower rank).
-    assert slow["seconds_per_sync"] > 0.6
-    assert slow["measured_speedup"] > 1.3
+    assert slow["seconds_per_sync"] > 0.3 and slow["first_principles"]["seconds_per_sync"] > 0.38
+    assert slow["measured_speedup"] > 1.1
     assert Path(tmp_path / "network.png").stat().st_size > 0
     assert not [
         line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line

@@ -29,9 +29,15 @@ def rows(measured):
 
 
 def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
+    """With every lever: the hook's calls and DDP's own used-parameter-map all-reduces (searching for unused
+    parameters: one per sync; a static graph: one, at the first) are the profiler's all-reduces, less the lab's."""
     for row in rows:
         lab_allreduces = row["optimizer_steps"] + EVALUATION_ALLREDUCES
-        assert row["audit"]["sync_bucket_calls"] == row["profiler_allreduces"] - lab_allreduces, row
+        ddp_allreduces = row["audit"]["sync_bucket_calls"] + row["audit"]["used_map_allreduces"]
+        assert ddp_allreduces == row["profiler_allreduces"] - lab_allreduces, row
+    used_map = {(row["setting"], row["mode"], row["epoch"]): row["audit"]["used_map_allreduces"] for row in rows}
+    assert used_map["find_unused_parameters=True", "no_sync", 2] == 2 and used_map["documented", "every", 1] == 0
+    assert (used_map["static_graph=True", "every", 1], used_map["static_graph=True", "every", 2]) == (1, 0)
 
 
 def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
@@ -40,9 +46,8 @@ def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
         assert (
             audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"] == row["profiler_broadcasts"]
         ), row
-        assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == (
-            2 if row["epoch"] == 1 else 0
-        ), row
+        rebuilds = row["epoch"] == 1 and row["setting"] != "find_unused_parameters=True"  # that one never rebuilds
+        assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == 2 * rebuilds, row
 
 
 def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
@@ -62,14 +67,16 @@ def test_measured_counts_equal_the_expected_counts(rows):
             "accum_steps": 4,
             "partial_window": "error",
             "epochs": max(row["epoch"] for row in rows),
+            **row["settings"],
         }
         expected = experiment.expected_epoch_counts(config, row["mode"], row["epoch"], sizes)
         assert {key: expected[key] for key in row["audit"]} == row["audit"], row
 
 
 def test_no_sync_cuts_every_kind_of_collective(rows):
-    every = {row["epoch"]: row for row in rows if row["mode"] == "every"}
-    no_sync = {row["epoch"]: row for row in rows if row["mode"] == "no_sync"}
+    documented = [row for row in rows if row["setting"] == "documented"]
+    every = {row["epoch"]: row for row in documented if row["mode"] == "every"}
+    no_sync = {row["epoch"]: row for row in documented if row["mode"] == "no_sync"}
     for epoch in every:
         # 8 micro-batches in windows of 4: 8 against 2 gradient syncs.
         assert (every[epoch]["audit"]["gradient_syncs"], no_sync[epoch]["audit"]["gradient_syncs"]) == (8, 2)
@@ -113,25 +120,28 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     [
         ({"broadcast_buffers": False}, "broadcast_buffers False (expected True)"),
         ({"find_unused_parameters": True}, "find_unused_parameters True (expected False)"),
+        ({"gradient_as_bucket_view": True}, "gradient_as_bucket_view True (expected False)"),
         ({"static_graph": True}, "static_graph True (expected False)"),
         ({"bucket_cap_mb": 1}, "bucket_bytes_cap 1048576 (expected 26214400)"),
+        ({"comm_hook": "bf16"}, "counted hook 'bf16' (expected 'allreduce')"),
         ({"hooks": "none"}, "gradient comm hooks [] (expected ['counting_allreduce_hook'])"),
         ({"hooks": "buffer"}, "buffer comm hook True (expected False)"),
     ],
 )
 def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_group, change, named):
-    cpu = torch.device("cpu")
-    audit.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0])  # the lab's own wrapping passes
+    """The settings DDP holds, read back from the wrapper, against the run's (here the documented ones)."""
+    cpu, documented = torch.device("cpu"), experiment.DDP_DEFAULTS
+    audit.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0], documented)  # the lab's own wrapping passes
     hooks = change.pop("hooks", "counting")
-    ddp_model = audit.AuditedDDP(
-        CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, "broadcast_buffers": True, **change}
-    )
+    comm_hook = change.pop("comm_hook", "allreduce")
+    ddp_model = audit.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, **change})
+    ddp_model.comm_audit = audit.CommAudit(1, comm_hook=comm_hook)
     if hooks != "none":
-        ddp_model.register_comm_hook(audit.CommAudit(1), train.counting_allreduce_hook)
+        ddp_model.register_comm_hook(ddp_model.comm_audit, train.counting_allreduce_hook)
     if hooks == "buffer":
         ddp_model._register_buffer_comm_hook(None, lambda state, buffers: [])
     with pytest.raises(cli.LabError) as caught:
-        audit.check_ddp_settings(ddp_model)
+        audit.check_ddp_settings(ddp_model, documented)
     message = str(caught.value)
     assert message.startswith("DDP is wrapped with settings the audit's expected counts do not assume: ")
     assert named in message and message.endswith("or change experiment.expected_epoch_counts with them")

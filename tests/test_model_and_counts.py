@@ -31,10 +31,22 @@ def test_class_names_and_normalization_are_the_documents():
 
 def test_communication_sizes_fit_one_bucket():
     sizes = experiment.comm_sizes(CifarCNN())
-    assert sizes == experiment.CommSizes(
-        gradient_bytes=GRADIENT_BYTES, gradient_buckets=1, buffer_bytes=BUFFER_BYTES, buffer_dtype_groups=2
-    )
-    assert GRADIENT_BYTES < 25 * 1024 * 1024
+    assert (sizes.gradient_bytes, sizes.buffer_bytes, sizes.buffer_dtype_groups) == (GRADIENT_BYTES, BUFFER_BYTES, 2)
+    assert GRADIENT_BYTES < 25 * 1024 * 1024 and sizes.gradient_buckets(25) == 1
+
+
+def test_bucket_counts_follow_ddps_filling_order():
+    """DDP fills a bucket with the gradients in reverse order of the parameters until it holds the cap or
+    more. Reversed, the tensors' bytes are: classifier bias 40 and weight 10,240, the last BatchNorm's
+    1,024 + 1,024, the last conv's 1,179,648, then 512 + 512 + 589,824, then 512 + 512 + 294,912 + ... + 6,912."""
+    sizes = experiment.comm_sizes(CifarCNN())
+    assert sizes.gradient_tensor_bytes[:5] == (40, 10_240, 1_024, 1_024, 1_179_648)
+    # 1 MiB: the first five (1,191,976 bytes) close bucket 1; the other 1,042,176 bytes stay under the cap.
+    assert sizes.gradient_buckets(1) == 2
+    # 0.5 MiB: the first five; then 512 + 512 + 589,824; then the remaining 451,328 bytes.
+    assert sizes.gradient_buckets(0.5) == 3
+    assert sizes.gradient_buckets(0) == 17  # a cap of 0: each tensor its own bucket
+    assert sizes.sent_bytes("allreduce") == GRADIENT_BYTES and sizes.sent_bytes("bf16") == GRADIENT_BYTES // 2
 
 
 def test_documented_experiment_counts():
@@ -52,6 +64,7 @@ def test_documented_experiment_counts():
             "buffer_broadcast_collectives": 2 * every_buffer_syncs,
             "broadcast_bytes": every_buffer_syncs * BUFFER_BYTES,
             "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
+            "used_map_allreduces": 0,
         }
         assert no_sync == {
             "optimizer_steps": 100,
@@ -61,6 +74,7 @@ def test_documented_experiment_counts():
             "buffer_broadcast_collectives": 2 * no_sync_buffer_syncs,
             "broadcast_bytes": no_sync_buffer_syncs * BUFFER_BYTES,
             "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
+            "used_map_allreduces": 0,
         }
 
 

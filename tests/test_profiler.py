@@ -86,7 +86,7 @@ def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
     assert_one_line_error(
         audit(runs),
         f"{runs}/no_sync/profile.json: rank 1: the profiler saw 5 c10d::allreduce_ calls in epoch 1, micro-batches "
-        "8-15, the audit counted 2 hook calls + 2 rank-agreement all-reduces = 4: the audit and its witness disagree",
+        "8-15, the audit counted 2 hook calls + 0 used-parameter-map all-reduces + 2 rank-agreement all-reduces = 4: the audit and its witness disagree",
         code=1,
     )
 
