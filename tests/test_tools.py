@@ -43,7 +43,7 @@ def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
 
 def test_make_clean_removes_only_the_labs_outputs(tmp_path):
     lab_copy = tmp_path / "lab"
-    shutil.copytree(REPO, lab_copy, ignore=shutil.ignore_patterns(".venv", ".git", "artifacts", "data", "__pycache__"))
+    shutil.copytree(REPO, lab_copy, ignore=shutil.ignore_patterns(".venv*", ".git", "artifacts", "data", "__pycache__"))
     for made in ("artifacts/every", "data/train", ".venv/bin", "__pycache__"):
         (lab_copy / made).mkdir(parents=True)
     (tmp_path / "artifacts").mkdir()  # someone else's folder beside the lab
