@@ -115,6 +115,8 @@ def worker(args):
         model = model.to(cpu, memory_format=MEMORY_FORMAT)
         return train.wrap_model(model, cpu, world_size, settings={**experiment.DDP_DEFAULTS, **settings})
 
+    broken = []  # wrappers whose reducer failed its own assert: destroyed, they would abort the process
+
     def run(settings, mode):
         ddp_model, comm_audit = wrapped(settings)
         optimizer = train.make_optimizer(ddp_model.parameters(), cpu)
@@ -126,6 +128,7 @@ def worker(args):
             with audit.ddp_errors_explained():
                 train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, cpu, autocast, progress)
         except cli.LabError as error:
+            broken.append(ddp_model)
             return {"refused": error.line("train.py")}, None
         seconds = audit.read_clock(cpu) - started
         sent = witness.bytes
@@ -174,6 +177,9 @@ def worker(args):
         print(json.dumps({"rows": rows, "compression": compression, "precision": precision.name}), flush=True)
     audit.settle_comm_hooks()
     dist.destroy_process_group()
+    if broken:  # leave without destroying them (train.py ends the same way after such a refusal)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the table

@@ -37,6 +37,7 @@ COUNT_LABELS = {
     "buffer_broadcast_collectives": "buffer-broadcast collectives",
     "broadcast_bytes": "broadcast bytes",
     "rebuild_broadcast_collectives": "bucket-rebuild broadcast collectives",
+    "used_map_allreduces": "used-parameter-map all-reduces",
 }
 ROW_INTEGERS = ("epoch", *COUNT_LABELS)
 CONFIG_COUNTS = ("world_size", "batch_size", "accum_steps", "epochs", "train_size", "validation_size", "test_size")

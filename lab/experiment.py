@@ -146,8 +146,8 @@ def split_sizes(source_size):
 
 @dataclass(frozen=True)
 class CommSizes:
-    """What one synchronization moves, read off the model: its gradients (each tensor's bytes, in the order DDP
-    buckets them) and its buffers."""
+    """What one synchronization moves, read off the model: its gradients (each tensor's bytes, in the order of
+    the parameters) and its buffers."""
 
     gradient_tensor_bytes: tuple
     buffer_bytes: int
@@ -157,12 +157,15 @@ class CommSizes:
     def gradient_bytes(self):
         return sum(self.gradient_tensor_bytes)
 
-    def gradient_buckets(self, bucket_cap_mb):
-        """How many buckets DDP makes of the gradients: it fills one bucket with tensors, in reverse order of
-        the parameters, until it holds bucket_cap_mb MiB or more, then starts the next (with the cap given
-        explicitly, the first bucket's cap is the same)."""
-        cap, buckets, filled = bucket_cap_mb * 1024 * 1024, 0, 0
-        for size in self.gradient_tensor_bytes:
+    def gradient_buckets(self, bucket_cap_mb, order="backward"):
+        """How many buckets DDP makes of the gradients: it fills one bucket with tensors until it holds
+        int(bucket_cap_mb MiB) bytes or more, then starts the next (with the cap given explicitly, the first
+        bucket's cap is the same). Its rebuilt buckets take the gradients in the order the backward readies
+        them, the parameters' reverse ("backward"); the buckets it starts with when it searches for unused
+        parameters take them in the parameters' order ("forward")."""
+        cap, buckets, filled = int(bucket_cap_mb * 1024 * 1024), 0, 0
+        sizes = self.gradient_tensor_bytes if order == "forward" else reversed(self.gradient_tensor_bytes)
+        for size in sizes:
             if filled == 0:
                 buckets += 1
             filled += size
@@ -184,7 +187,7 @@ def comm_sizes(model):
     if buffer_bytes > BROADCAST_BUCKET_BYTES:
         raise ValueError("the buffers exceed one broadcast bucket; buffer_dtype_groups would undercount")
     return CommSizes(
-        gradient_tensor_bytes=tuple(p.numel() * p.element_size() for p in reversed(gradients)),
+        gradient_tensor_bytes=tuple(p.numel() * p.element_size() for p in gradients),
         buffer_bytes=buffer_bytes,
         # DDP's _broadcast_coalesced flattens the buffers into one tensor per dtype (float32 running stats,
         # int64 num_batches_tracked): one broadcast collective each.
@@ -213,34 +216,34 @@ def buffer_syncs_in_epoch(plan, mode, first_epoch, wrapper_starts=()):
 def wrapper_lives(plan, mode, starts, epochs):
     """For each DDP wrapper of a run whose wrappers started at `starts`, (epoch, micro-batch) in order (the run's
     first at (1, 0), then each resume): the training forwards it ran, before the next start and within the run,
-    and the offset among them of its first synchronized one (None without one)."""
+    and the offsets among them of its synchronized ones."""
     positions = [(epoch, index) for epoch in range(1, epochs + 1) for index in range(len(plan))]
     synchronized = {index for index, micro_step in enumerate(plan) if mode == "every" or micro_step.sync}
     for number, start in enumerate(starts):
         end = starts[number + 1] if number + 1 < len(starts) else (epochs + 1, 0)
         lived = [position for position in positions if start <= position < end]
-        yield lived, next((offset for offset, (_, index) in enumerate(lived) if index in synchronized), None)
+        yield lived, [offset for offset, (_, index) in enumerate(lived) if index in synchronized]
 
 
-def bucket_rebuilds(plan, mode, starts, epochs):
-    """{epoch: rebuilds}: a wrapper rebuilds its buckets once, at its first training forward after its first
-    synchronized backward, if it lives to that forward."""
+def bucket_rebuilds(plan, mode, starts, epochs, initial_syncs=1):
+    """{epoch: rebuilds}: a wrapper rebuilds its buckets once, at its first training forward after the last of
+    its `initial_syncs` synchronized backwards made with the buckets it started with (one; two under a static
+    graph, whose first backward records no order), if it lives to that forward."""
     rebuilds = {}
-    for lived, first_sync in wrapper_lives(plan, mode, starts, epochs):
-        if first_sync is not None and first_sync + 1 < len(lived):
-            epoch = lived[first_sync + 1][0]
+    for lived, syncs in wrapper_lives(plan, mode, starts, epochs):
+        if len(syncs) >= initial_syncs and syncs[initial_syncs - 1] + 1 < len(lived):
+            epoch = lived[syncs[initial_syncs - 1] + 1][0]
             rebuilds[epoch] = rebuilds.get(epoch, 0) + 1
     return rebuilds
 
 
-def first_syncs(plan, mode, starts, epochs):
-    """{epoch: syncs}: each wrapper's first synchronized backward, made with the buckets it started with."""
-    syncs = {}
-    for lived, first_sync in wrapper_lives(plan, mode, starts, epochs):
-        if first_sync is not None:
-            epoch = lived[first_sync][0]
-            syncs[epoch] = syncs.get(epoch, 0) + 1
-    return syncs
+def syncs_before_rebuild(plan, mode, starts, epochs, initial_syncs=1):
+    """{epoch: syncs}: each wrapper's first `initial_syncs` synchronized backwards, made in one bucket."""
+    counts = {}
+    for lived, syncs in wrapper_lives(plan, mode, starts, epochs):
+        for offset in syncs[:initial_syncs]:
+            counts[lived[offset][0]] = counts.get(lived[offset][0], 0) + 1
+    return counts
 
 
 def bucket_rebuild_epoch(plan, mode):
@@ -269,11 +272,13 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
     started at `starts` ((epoch, micro-batch), in order: (1, 0), then each resume).
 
     What DDP's settings change (torch 2.8's DistributedDataParallel and Reducer): a wrapper that does not search
-    for unused parameters, or whose graph is static, all-reduces its first sync in one bucket, then rebuilds its
-    buckets by the cap; one that searches keeps the cap's buckets from the start and never rebuilds, but
-    all-reduces its map of the parameters that got gradients at every sync (a static graph does so at its
-    first). Without broadcast_buffers DDP broadcasts no buffer; train.py's evaluation broadcasts rank 0's once,
-    before the validation pass, so that every rank evaluates the model rank 0 saves.
+    for unused parameters all-reduces its first sync in one bucket (a static graph its first two: its first
+    backward records no order), then rebuilds its buckets by the cap; one that searches keeps the cap's buckets,
+    filled in the parameters' order, from the start and never rebuilds, but all-reduces its map of the
+    parameters that got gradients at every sync (a static graph does so at its first). Without
+    broadcast_buffers DDP broadcasts no buffer; train.py's evaluation broadcasts rank 0's once, before the
+    validation pass, so that every rank evaluates the model rank 0 saves. tests/test_comm_audit.py holds each
+    rule against the profiler's record of the collectives.
     """
     plan = epoch_plan(config)
     settings = ddp_settings(config)
@@ -285,13 +290,19 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         else 1
     )
     searches = settings["find_unused_parameters"] and not settings["static_graph"]
-    buckets = sizes.gradient_buckets(settings["bucket_cap_mb"])
-    firsts = first_syncs(plan, mode, list(starts), config["epochs"]).get(epoch, 0)
-    rebuilds = 0 if searches else bucket_rebuilds(plan, mode, list(starts), config["epochs"]).get(epoch, 0)
+    initial = 2 if settings["static_graph"] else 1
+    run = (plan, mode, list(starts), config["epochs"])
+    if searches:
+        buckets, one_bucket, rebuilds = sizes.gradient_buckets(settings["bucket_cap_mb"], "forward"), 0, 0
+    else:
+        buckets = sizes.gradient_buckets(settings["bucket_cap_mb"])
+        one_bucket = syncs_before_rebuild(*run, initial).get(epoch, 0)
+        rebuilds = bucket_rebuilds(*run, initial).get(epoch, 0)
+    firsts = syncs_before_rebuild(*run).get(epoch, 0)
     return {
         "optimizer_steps": sum(m.step for m in plan),
         "gradient_syncs": gradient_syncs,
-        "sync_bucket_calls": gradient_syncs * buckets if searches else firsts + (gradient_syncs - firsts) * buckets,
+        "sync_bucket_calls": one_bucket + (gradient_syncs - one_bucket) * buckets,
         "allreduce_bytes": gradient_syncs * sizes.sent_bytes(settings["comm_hook"]),
         "buffer_broadcast_collectives": buffer_syncs * sizes.buffer_dtype_groups,
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,

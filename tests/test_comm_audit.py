@@ -35,9 +35,19 @@ def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
         lab_allreduces = row["optimizer_steps"] + EVALUATION_ALLREDUCES
         ddp_allreduces = row["audit"]["sync_bucket_calls"] + row["audit"]["used_map_allreduces"]
         assert ddp_allreduces == row["profiler_allreduces"] - lab_allreduces, row
-    used_map = {(row["setting"], row["mode"], row["epoch"]): row["audit"]["used_map_allreduces"] for row in rows}
-    assert used_map["find_unused_parameters=True", "no_sync", 2] == 2 and used_map["documented", "every", 1] == 0
-    assert (used_map["static_graph=True", "every", 1], used_map["static_graph=True", "every", 2]) == (1, 0)
+    audits = {(row["setting"], row["mode"], row["epoch"]): row["audit"] for row in rows}
+    used_map = {run: audit["used_map_allreduces"] for run, audit in audits.items()}
+    searching, static = "find_unused_parameters=True, bucket_cap_mb=0.99", "static_graph=True, bucket_cap_mb=0.5"
+    assert used_map[searching, "no_sync", 2] == 2 and used_map["documented", "every", 1] == 0
+    assert (used_map[static, "every", 1], used_map[static, "every", 2]) == (1, 0)
+    # By hand, 8 syncs per epoch in every mode: searching with 0.99 MiB buckets, 3 per sync from the start; a
+    # static graph with 0.5 MiB buckets, its first two syncs in one bucket, then 3; without those, the first.
+    assert audits[searching, "every", 1]["sync_bucket_calls"] == 8 * 3
+    assert audits[static, "every", 1]["sync_bucket_calls"] == 2 + 6 * 3
+    assert (
+        audits["bucket_cap_mb=0.5, broadcast_buffers=False, comm_hook=bf16", "every", 1]["sync_bucket_calls"]
+        == 1 + 7 * 3
+    )
 
 
 def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
@@ -46,7 +56,7 @@ def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
         assert (
             audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"] == row["profiler_broadcasts"]
         ), row
-        rebuilds = row["epoch"] == 1 and row["setting"] != "find_unused_parameters=True"  # that one never rebuilds
+        rebuilds = row["epoch"] == 1 and not row["setting"].startswith("find_unused")  # that one never rebuilds
         assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == 2 * rebuilds, row
 
 

@@ -36,15 +36,20 @@ def test_communication_sizes_fit_one_bucket():
 
 
 def test_bucket_counts_follow_ddps_filling_order():
-    """DDP fills a bucket with the gradients in reverse order of the parameters until it holds the cap or
-    more. Reversed, the tensors' bytes are: classifier bias 40 and weight 10,240, the last BatchNorm's
-    1,024 + 1,024, the last conv's 1,179,648, then 512 + 512 + 589,824, then 512 + 512 + 294,912 + ... + 6,912."""
+    """DDP fills a bucket until it holds the cap or more. Its rebuilt buckets take the gradients in reverse order
+    of the parameters: classifier bias 40 and weight 10,240, the last BatchNorm's 1,024 + 1,024, the last conv's
+    1,179,648, then 512 + 512 + 589,824, ...; searching for unused parameters it starts with buckets filled in
+    the parameters' order: 6,912, 256 + 256, 147,456, ..."""
     sizes = experiment.comm_sizes(CifarCNN())
-    assert sizes.gradient_tensor_bytes[:5] == (40, 10_240, 1_024, 1_024, 1_179_648)
-    # 1 MiB: the first five (1,191,976 bytes) close bucket 1; the other 1,042,176 bytes stay under the cap.
+    assert sizes.gradient_tensor_bytes[:4] == (6_912, 256, 256, 147_456)
+    assert sizes.gradient_tensor_bytes[-5:] == (1_179_648, 1_024, 1_024, 10_240, 40)
+    # 1 MiB: the last five (1,191,976 bytes) close bucket 1; the other 1,042,176 bytes stay under the cap.
     assert sizes.gradient_buckets(1) == 2
-    # 0.5 MiB: the first five; then 512 + 512 + 589,824; then the remaining 451,328 bytes.
+    # 0.5 MiB: the last five; then 512 + 512 + 589,824; then the remaining 451,328 bytes.
     assert sizes.gradient_buckets(0.5) == 3
+    # 0.99 MiB (1,038,090 bytes): backward, 1,191,976 then 1,042,176 bytes; forward, the first ten tensors make
+    # 1,041,152 bytes, then 512 + 512 + 1,179,648, then the last four.
+    assert (sizes.gradient_buckets(0.99), sizes.gradient_buckets(0.99, "forward")) == (2, 3)
     assert sizes.gradient_buckets(0) == 17  # a cap of 0: each tensor its own bucket
     assert sizes.sent_bytes("allreduce") == GRADIENT_BYTES and sizes.sent_bytes("bf16") == GRADIENT_BYTES // 2
 
