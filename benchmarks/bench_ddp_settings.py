@@ -187,19 +187,21 @@ def worker(args):
 
 def print_table(rows, compression, gradient_bytes):
     print(
-        "| setting | mode | syncs | bucket calls | MB all-reduced (witness) | buffer broadcasts | counts as derived |"
+        "| setting | mode | syncs | bucket calls | MB all-reduced (witness) | buffer broadcasts | rebuild broadcasts "
+        "| used-map all-reduces | counts as derived |"
     )
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         if "refused" in row:
-            print(f"| {row['setting']} | {row['mode']} | refused: {row['refused']} | | | | |")
+            print(f"| {row['setting']} | {row['mode']} | refused: {row['refused']} | | | | | | |")
             continue
         counts = row["counts"]
         derived = "yes" if counts == row["expected"] else f"no: expected {row['expected']}"
         print(
             f"| {row['setting']} | {row['mode']} | {counts['gradient_syncs']} | {counts['sync_bucket_calls']} | "
             f"{counts['allreduce_bytes'] / 1e6:.2f} ({row['witnessed_allreduce_bytes'] / 1e6:.2f}) | "
-            f"{counts['buffer_broadcast_collectives']} | {derived} |"
+            f"{counts['buffer_broadcast_collectives']} | {counts['rebuild_broadcast_collectives']} | "
+            f"{counts['used_map_allreduces']} | {derived} |"
         )
     print()
     print("| setting | mode | weights equal to documented | largest difference | ms per window |")
