@@ -40,6 +40,8 @@ def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
         ("--accum-steps", "four", "argument --accum-steps: expected a positive whole number, got 'four'"),
         ("--progress-every", "-1", "argument --progress-every: must be a finite number of at least 0, got -1"),
         ("--mode", "sometimes", "argument --mode: invalid choice: 'sometimes'"),
+        ("--bucket-cap-mb", "-1", "argument --bucket-cap-mb: must be a finite number of at least 0, got -1"),
+        ("--comm-hook", "powersgd", "argument --comm-hook: invalid choice: 'powersgd'"),
     ],
 )
 def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
