@@ -294,11 +294,13 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
     run = (plan, mode, list(starts), config["epochs"])
     if searches:
         buckets, one_bucket, rebuilds = sizes.gradient_buckets(settings["bucket_cap_mb"], "forward"), 0, 0
+        used_maps = gradient_syncs
     else:
         buckets = sizes.gradient_buckets(settings["bucket_cap_mb"])
         one_bucket = syncs_before_rebuild(*run, initial).get(epoch, 0)
         rebuilds = bucket_rebuilds(*run, initial).get(epoch, 0)
-    firsts = syncs_before_rebuild(*run).get(epoch, 0)
+        # A static graph all-reduces its used-parameter map once: at each wrapper's first sync.
+        used_maps = syncs_before_rebuild(*run).get(epoch, 0) if settings["static_graph"] else 0
     return {
         "optimizer_steps": sum(m.step for m in plan),
         "gradient_syncs": gradient_syncs,
@@ -307,5 +309,5 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         "buffer_broadcast_collectives": buffer_syncs * sizes.buffer_dtype_groups,
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
         "rebuild_broadcast_collectives": REBUILD_BROADCASTS * rebuilds,
-        "used_map_allreduces": gradient_syncs if searches else firsts if settings["static_graph"] else 0,
+        "used_map_allreduces": used_maps,
     }
