@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lab import audit, data, experiment, launch, loaders, records, resume
+from lab import audit, checklist, data, experiment, launch, loaders, records, resume
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
 from lab.precision import PRECISIONS
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
@@ -94,8 +94,6 @@ def counting_allreduce_hook(comm_audit, bucket):
     comm_audit.sync_bucket_calls += 1
     if bucket.is_last():
         comm_audit.count_sync()  # and DDP's used-parameter all-reduce, when its settings make one
-    tensor = bucket.buffer()
-    comm_audit.allreduce_bytes += tensor.numel() * experiment.SENT_ELEMENT_BYTES[comm_audit.comm_hook]
     started = comm_audit.clock.start()
 
     def finished(future):
@@ -103,10 +101,16 @@ def counting_allreduce_hook(comm_audit, bucket):
         value = future.value()  # the all-reduce's [tensor]; a compressing hook's tensor
         return value[0] if isinstance(value, list) else value
 
-    if comm_audit.comm_hook != "allreduce":
-        return audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket).then(finished)
-    tensor.div_(comm_audit.world_size)
-    return dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future().then(finished)
+    # The bytes are those of the tensors handed to the collective, whatever the --comm-hook label says.
+    with checklist.TAP.handed() as handed:
+        if comm_audit.comm_hook != "allreduce":
+            future = audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
+        else:
+            tensor = bucket.buffer().div_(comm_audit.world_size)
+            future = dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future()
+    comm_audit.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
+    comm_audit.wire_dtype = handed[-1][0] if handed else None
+    return future.then(finished)
 
 
 def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DEFAULTS):
@@ -130,7 +134,13 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
 def make_optimizer(parameters, device):
     """The document's AdamW; on GPU one fused kernel updates every parameter (on CPU the step is about 1 ms
     of a window's 850, whichever implementation)."""
-    return torch.optim.AdamW(parameters, lr=3e-3, weight_decay=1e-4, fused=True if device.type == "cuda" else None)
+    documented = experiment.DOCUMENTED
+    return torch.optim.AdamW(
+        parameters,
+        lr=documented["learning_rate"],
+        weight_decay=documented["weight_decay"],
+        fused=True if device.type == "cuda" else None,
+    )
 
 
 # ----------------------------------------------------------------------------- training and evaluation
@@ -153,11 +163,12 @@ def train_epoch(
     """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in
     part when a WindowProfiler is given; at each window's end the session saves or stops when due.
 
-    Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: the micro-batches
-    whose backward synchronized (the hook saw the last bucket) and after which the optimizer stepped, and at
-    each step what audit.ranks_agree found across the ranks.
+    Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: at each step what
+    audit.ranks_agree found across the ranks; the witnesses attached to the model (lab/checklist.py) fill in
+    where the syncs, steps and resets happened, from what they see.
     """
     epoch = epoch or resume.EpochState(0)
+    ddp_model.witness.begin_epoch(epoch.trace)
     ddp_model.train()
     optimizer.zero_grad(set_to_none=True)
     comm_audit, trace = ddp_model.comm_audit, epoch.trace
@@ -173,7 +184,6 @@ def train_epoch(
         targets = targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
-        syncs_before = comm_audit.gradient_syncs
         with span(f"{MICRO_BATCH_LABEL}{index}"):
             with ddp_model.no_sync() if suppress_sync else nullcontext():
                 # The first micro-batch of each epoch is measured: every full micro-batch holds the same.
@@ -191,10 +201,6 @@ def train_epoch(
                     stop = session is not None and session.stop_requested
                     trace.agreement.append(audit.ranks_agree(before, parameters, comm_audit.group, stop))
                 optimizer.zero_grad(set_to_none=True)
-        if comm_audit.gradient_syncs != syncs_before:
-            trace.sync_positions.append(index)
-        if micro_step.step:
-            trace.step_positions.append(index)
         if profiler:
             profiler.after_micro_batch(index)
         # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch).
@@ -258,6 +264,8 @@ def run(args, place):
     ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
+    ddp_model.witness = checklist.Witness(ddp_model, optimizer, criterion, comm_audit, device)
+    config.update(learning_rate=optimizer.defaults["lr"], weight_decay=optimizer.defaults["weight_decay"])
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(setup.precision.autocast, device.type)
 
@@ -298,6 +306,7 @@ def run(args, place):
         train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
         phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
         epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
+        epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
         scheduler.step()
         row = records.epoch_row(
             epoch, args.mode, validation[:2], comm_audit.totals(), phase_seconds, peak_bytes, run_id, device, group

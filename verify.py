@@ -3,9 +3,14 @@
     python verify.py                                                   # the documented experiment
     python verify.py --artifacts artifacts/quick --expect-from-config  # a run judged by its own configuration
 
-Without --expect-from-config the audit is the document's: 5 epochs, 100 optimizer steps and 400 (every) or
-100 (no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration
-the runs recorded. Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
+Without --expect-from-config the audit is the document's: the runs must be its experiment key by key (split
+and test sizes, seed, batch, window, epochs, learning rate, weight decay, world size, DDP's settings,
+augmentation; the first that differs is named), then 5 epochs, 100 optimizer steps and 400 (every) or 100
+(no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration the
+runs recorded. Either way every item of the document's checklist is checked against what the run's witnesses
+saw (lab/checklist.py: resets, accumulation, the loss scale at the logits, the average of the ranks' gradients,
+the samples per step, the optimizer's own steps, the bytes handed to the collective), and a refusal names the
+item. Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
 model's parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every
 file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
 own confusion matrices. A run profiled with train.py --profile-windows K must show the profiler's c10d calls
@@ -16,9 +21,18 @@ timeline.png when both runs were profiled.
 
 from pathlib import Path
 
-from lab import checks, experiment, tables
+from lab import checklist, checks, experiment, tables
 from lab.cli import ArgumentParser, LabError, exit_with
-from lab.records import CONFUSION_FILE, HISTORY_FILE, MODEL_FILE, REPORT_FILE, SAMPLE_FILE, describe_unfinished
+from lab.records import (
+    CONFUSION_FILE,
+    HISTORY_FILE,
+    MODEL_FILE,
+    REPORT_FILE,
+    RUN_RECORD_FILE,
+    SAMPLE_FILE,
+    AuditError,
+    describe_unfinished,
+)
 from lab.witness import check_profile
 from model import IMAGE_SIZE, CifarCNN
 
@@ -36,9 +50,12 @@ def parse_args():
     return parser.parse_args()
 
 
-def audit_run(folder, mode, record, expected_config, sizes, hint, strict):
-    history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes, hint)
-    report = checks.check_report(folder / REPORT_FILE, mode, record)
+def audit_run(folder, mode, record, expected_config, sizes, strict):
+    history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
+    try:
+        report = checks.check_report(folder / REPORT_FILE, mode, record)
+    except AuditError as error:
+        raise AuditError(f"{error}{checklist.item(10)}", error.kind) from None
     if strict:  # the documented experiment's model learned
         checks.check_learned(folder, report)
     training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
@@ -66,25 +83,17 @@ def main():
 
     config = records["every"]["config"]
     if args.expect_from_config:
-        expected_config, hint = config, ""
+        expected_config = config
     else:
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
             checks.check_real_data(artifacts / mode, record)
+        checklist.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
         expected_config = experiment.DOCUMENTED
-        departures = [
-            f"{key}={config.get(key)}" for key, value in experiment.DOCUMENTED.items() if config.get(key) != value
-        ]
-        hint = (
-            f" (these runs are not the documented experiment: {', '.join(departures)}; "
-            f"to audit them against their own configuration pass --expect-from-config)"
-            if departures
-            else ""
-        )
+    platform = ", ".join(f"{key} {config.get(key)}" for key in checklist.PLATFORM_CHOICES)
+    print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(CifarCNN())
     runs = {
-        mode: audit_run(
-            artifacts / mode, mode, records[mode], expected_config, sizes, hint, not args.expect_from_config
-        )
+        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, not args.expect_from_config)
         for mode in experiment.MODES
     }
     checks.check_same_saved_activations(runs, artifacts)
@@ -96,6 +105,7 @@ def main():
                 )
     tables.print_tables(runs, config)
     tables.print_witness(runs)
+    checklist.print_checklist(runs)
     timeline = tables.draw_pictures(artifacts, runs, records)
     pictures = [artifacts / tables.CURVES_FILE, artifacts / tables.COMMUNICATION_FILE] + (
         [timeline] if timeline else []

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lab.checklist import ChecklistTrace
 from lab.cli import LabError
 from lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
 
@@ -92,6 +93,8 @@ class CommAudit:
     broadcast_bytes: int = 0
     rebuild_broadcast_collectives: int = 0
     used_map_allreduces: int = 0
+    witness_allreduces: int = 0  # lab.checklist's, one per optimizer step: the synced gradient against the mean
+    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (lab.checklist's tap)
     wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
 
     def count_sync(self):
@@ -311,8 +314,12 @@ class EpochTrace:
     """Where one rank's epoch synchronized and stepped, what each step did, and which samples the ranks read."""
 
     saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
+    # Filled by lab.checklist's witnesses from what happened: the backwards the hook saw synchronize, the
+    # optimizer's own step hooks, and the rest of the checklist's observations.
     sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
+    checklist: ChecklistTrace = field(default_factory=ChecklistTrace)
+    checklist_summary: dict = None  # the epoch's observations, read once at its end (Witness.end_epoch)
     agreement: list = field(default_factory=list)  # per step, on the device: ranks_agree's five verdicts
     sample_shards: dict = field(default_factory=dict)  # shard_coverage's, once the epoch is over
 

@@ -10,7 +10,7 @@ import math
 
 from PIL import Image
 
-from lab import experiment, resume
+from lab import checklist, experiment, resume
 from lab.precision import NUMERICS
 from lab.records import (
     HISTORY_FILE,
@@ -118,7 +118,7 @@ def compare_configs(every_record, no_sync_record, artifacts):
 # ----------------------------------------------------------------------------- one run
 
 
-def check_history(path, mode, record, expected_config, sizes, hint):
+def check_history(path, mode, record, expected_config, sizes):
     history = read_json(path)
     check(
         isinstance(history, list) and all(isinstance(row, dict) for row in history),
@@ -126,7 +126,7 @@ def check_history(path, mode, record, expected_config, sizes, hint):
         "expected a list of epoch rows",
     )
     if len(history) != expected_config["epochs"]:
-        raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}{hint}")
+        raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}")
     starts = resume.wrapper_starts(path, history, len(experiment.epoch_plan(expected_config)))
     for number, row in enumerate(history, start=1):
         check_finite(path, number, row)
@@ -144,12 +144,20 @@ def check_history(path, mode, record, expected_config, sizes, hint):
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
         expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes, starts)
-        # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts).
-        check_counts(path, number, row, {key: expected.pop(key) for key in POSITION_FIELDS}, mode, hint)
-        check_positions(path, number, row, experiment.epoch_plan(expected_config), mode, hint)
+        plan = experiment.epoch_plan(expected_config)
+        # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts). Steps
+        # only where the plan has them, repeated or missing, are a wrong count; anywhere else, a wrong place.
+        steps_in_place = steps_at_planned_places(row, plan)
+        counted = ("gradient_syncs", "optimizer_steps") if steps_in_place else ("gradient_syncs",)
+        check_counts(path, number, row, {key: expected.pop(key) for key in counted}, mode)
+        check_positions(path, number, row, plan, mode)
+        if not steps_in_place:
+            check_counts(path, number, row, {"optimizer_steps": expected.pop("optimizer_steps")}, mode)
         check_steps(path, number, row)
         check_shards(path, number, row, record["config"])
-        check_counts(path, number, row, expected, mode, hint)
+        check_counts(path, number, row, expected, mode)
+        observed = {**record["config"], **expected_config}
+        checklist.check_epoch(path, number, row, observed, mode, plan)
         check_memory_fields(path, number, row, record["config"])
     return history
 
@@ -230,7 +238,8 @@ def check_steps(path, number, row):
         changed == row["optimizer_steps"],
         path,
         f"epoch {number}: {row['optimizer_steps'] - changed} of {row['optimizer_steps']} optimizer steps changed no "
-        f"parameter: the optimizer did not learn from its gradients (were they lost before the step?)",
+        f"parameter: the optimizer did not learn from its gradients (were they lost before the step?)"
+        f"{checklist.item(8)}",
     )
 
 
@@ -250,21 +259,24 @@ def check_shards(path, number, row, config):
             f"{path}: epoch {number}: the {world_size} ranks read {shards['samples_per_rank']} samples each, "
             f"{shards['distinct_samples']} distinct of the {split} in the train split (expected "
             f"{expected['samples_per_rank']} each, all {split} distinct): the ranks' shards overlap or miss samples "
-            f"(a sampler without num_replicas and rank, or its set_epoch on one rank only?)"
+            f"(a sampler without num_replicas and rank, or its set_epoch on one rank only?){checklist.item(2)}"
         )
 
 
-def check_counts(path, number, row, expected, mode, hint):
+def check_counts(path, number, row, expected, mode):
     for key, value in expected.items():
         if row[key] != value:
             advice = ""
             if key == "gradient_syncs" and mode == "no_sync" and row[key] > value:
                 advice = "; the forward ran outside no_sync() or the run used --mode every"
             raise AuditError(
-                f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice}){hint}"
+                f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice})"
+                f"{checklist.item(COUNT_ITEMS[key]) if key in COUNT_ITEMS else ''}"
             )
 
 
+# The checklist item a wrong count breaks (the others are the audit's own: DDP's buffers, buckets, maps).
+COUNT_ITEMS = {"optimizer_steps": 8, "gradient_syncs": 9, "sync_bucket_calls": 9, "allreduce_bytes": 9}
 POSITION_FIELDS = {"gradient_syncs": "gradient_sync_positions", "optimizer_steps": "optimizer_step_positions"}
 POSITION_MESSAGES = {
     "gradient_syncs": "gradient sync {number} of the epoch ran in the backward of micro-batch {happened}; "
@@ -274,7 +286,16 @@ POSITION_MESSAGES = {
 }
 
 
-def check_positions(path, number, row, plan, mode, hint):
+def steps_at_planned_places(row, plan):
+    """Whether every recorded step position is one the plan has (malformed positions: no, check_positions says)."""
+    try:
+        recorded = set(experiment.from_progressions(row.get("optimizer_step_positions")))
+    except (TypeError, ValueError):
+        return False
+    return recorded <= set(experiment.planned_positions(plan, "every")["optimizer_steps"])
+
+
+def check_positions(path, number, row, plan, mode):
     """The micro-batches where the syncs and steps happened must be the window plan's, one by one."""
     planned = experiment.planned_positions(plan, mode)
     for key, field in POSITION_FIELDS.items():
@@ -295,7 +316,11 @@ def check_positions(path, number, row, plan, mode, hint):
             if pair[0] != pair[1]
         )
         message = POSITION_MESSAGES[key].format(number=first + 1, happened=happened, planned=due)
-        raise AuditError(f"{path}: epoch {number}: {message}{hint}")
+        if key == "optimizer_steps":
+            broken = 7
+        else:  # a sync where none was due breaks the intermediate micro-batches' item, a missing one the last's
+            broken = 5 if due == "none" or (happened != "none" and happened < due) else 6
+        raise AuditError(f"{path}: epoch {number}: {message}{checklist.item(broken)}")
 
 
 def check_report(path, mode, record):

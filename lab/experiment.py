@@ -37,6 +37,9 @@ DOCUMENTED = {
     "train_size": 40_000,
     "validation_size": 10_000,
     "test_size": 10_000,
+    "learning_rate": 3e-3,  # AdamW's, with CosineAnnealingLR over the epochs
+    "weight_decay": 1e-4,
+    "augmentation": "RandomCrop(32, padding=4), RandomHorizontalFlip(0.5)",
     **DDP_DEFAULTS,
 }
 # The strict audit's floor for the documented run's test accuracy. Every documented run measured reaches
@@ -50,8 +53,9 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for bu
 # profiler's c10d::broadcast_ events).
 REBUILD_BROADCASTS = 2
 # The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's own
-# all-reduce of the ranks' fingerprints after each step, and DDP's broadcasts.
-COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "broadcast")
+# all-reduce of the ranks' fingerprints after each step, the checklist's all-reduce of the ranks' local
+# gradient projections before each step, and DDP's broadcasts.
+COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "average-witness all-reduce", "broadcast")
 # What the audit counts per rank and epoch (train.py's history rows; expected_epoch_counts gives each exactly).
 COUNTS = (
     "sync_bucket_calls",
@@ -61,6 +65,7 @@ COUNTS = (
     "broadcast_bytes",
     "rebuild_broadcast_collectives",
     "used_map_allreduces",
+    "witness_allreduces",
 )
 
 
@@ -118,6 +123,10 @@ def as_progressions(positions):
             runs.append([start, start + 1, 1])
             break
         step, last = positions[index + 1] - start, index + 1
+        if step <= 0:  # a position repeated (two steps after one micro-batch) or out of order: a run of its own
+            runs.append([start, start + 1, 1])
+            index += 1
+            continue
         while last + 1 < len(positions) and positions[last + 1] - positions[last] == step:
             last += 1
         runs.append([start, positions[last] + 1, step])
@@ -310,4 +319,6 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
         "rebuild_broadcast_collectives": REBUILD_BROADCASTS * rebuilds,
         "used_map_allreduces": used_maps,
+        # lab.checklist's SUM all-reduce of the ranks' local projections, one per optimizer step.
+        "witness_allreduces": sum(m.step for m in plan),
     }

@@ -25,6 +25,7 @@ from model import IMAGE_SIZE, eval_transform, normalize
 LOADERS = ("tensor", "pil")
 CROP_PADDING = 4
 FLIP_PROBABILITY = 0.5
+AUGMENTATION = f"RandomCrop({IMAGE_SIZE}, padding={CROP_PADDING}), RandomHorizontalFlip({FLIP_PROBABILITY})"
 
 train_transform = transforms.Compose(
     [

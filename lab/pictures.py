@@ -301,7 +301,7 @@ def speedup_image(title, points, curve, ceiling, caption):
 
 
 COMPUTE_SHADES = ((176, 196, 222), (135, 160, 196))  # alternate micro-batches, so each one's edges show
-COLLECTIVE_COLOURS = dict(zip(COLLECTIVE_KINDS, ((214, 39, 40), (148, 103, 189), (44, 160, 44))))
+COLLECTIVE_COLOURS = dict(zip(COLLECTIVE_KINDS, ((214, 39, 40), (148, 103, 189), (255, 127, 14), (44, 160, 44))))
 
 
 def timeline_image(title, panels, caption):
@@ -360,7 +360,10 @@ def timeline_image(title, panels, caption):
                 fill=COLLECTIVE_COLOURS["gradient all-reduce"],
                 anchor="lm",
             )
-            others = f"{counts['rank-agreement all-reduce']} rank agreement, {counts['broadcast']} broadcast(s)"
+            others = (
+                f"{counts['rank-agreement all-reduce']} rank agreement, {counts['average-witness all-reduce']} "
+                f"average witness, {counts['broadcast']} broadcast(s)"
+            )
             draw.text((right + 12, collective_row[1] + 2), others, font=small, fill=INK, anchor="lm")
             lanes.append({"label": lane["label"], "compute": compute, "collectives": collectives, "counts": counts})
         data.append({"title": panel["title"], "lanes": lanes})

@@ -21,6 +21,7 @@ from PIL import Image, PngImagePlugin
 from lab import pictures
 from lab.cli import LabError
 from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
+from lab.loaders import AUGMENTATION
 from model import CLASSES
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
@@ -208,6 +209,7 @@ def run_config(args, place, setup):
         "train_size": sizes["train"],
         "validation_size": sizes["validation"],
         "test_size": sizes["test"],
+        "augmentation": AUGMENTATION,
         "data_layout": setup.source.layout,
         "loader": args.loader,
         "data_fingerprint": setup.source.fingerprint,
@@ -258,6 +260,8 @@ def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id,
         # What each step did (every rank's fingerprints, one small all-reduce per step) and what the ranks read.
         **trace.step_verdicts(),
         "sample_shards": trace.sample_shards,
+        # The document's checklist as the witnesses saw it (lab/checklist.py; verify.py checks each item).
+        "checklist": trace.checklist_summary,
         # Where this epoch's training resumed after a stop (micro-batch indices; the restart's own
         # communication, a new DDP wrapper's first buffer broadcast and bucket rebuild, is in the counts).
         "resumed_at": epoch.resumed_at,

@@ -138,6 +138,7 @@ def portable(epoch):
         saved.segment_started = None
     saved.trace = copy.copy(epoch.trace)
     saved.trace.agreement = [to_cpu(verdict) for verdict in epoch.trace.agreement]
+    saved.trace.checklist = epoch.trace.checklist.to("cpu")
     saved.totals = to_cpu(epoch.totals)
     return saved
 
@@ -236,6 +237,7 @@ class Session:
         if epoch.totals is not None:
             epoch.totals = epoch.totals.to(self.device)
             epoch.trace.agreement = [verdict.to(self.device) for verdict in epoch.trace.agreement]
+        epoch.trace.checklist = epoch.trace.checklist.to(self.device)
         self.history[:] = state["history"]
         return epoch
 

@@ -94,7 +94,7 @@ def print_witness(runs):
     print("The profiler as witness, epoch 1's recorded micro-batches, per rank (seconds: the profiler's executions")
     print("of the gradient all-reduces and broadcasts, the audit's comm_seconds for the same micro-batches):")
     print(
-        "| mode | micro-batches | rank | c10d::allreduce_ (profiler) | hook calls + steps (audit) | c10d::broadcast_ "
+        "| mode | micro-batches | rank | c10d::allreduce_ (profiler) | hook calls + 2 x steps (audit) | c10d::broadcast_ "
         "(profiler) | broadcast collectives (audit) | collective s (profiler) | comm s (audit) | compute s per micro-batch |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -105,7 +105,7 @@ def print_witness(runs):
             audit, calls, seconds = summary["audit"], summary["calls"], summary["collective_seconds"]
             print(
                 f"| {mode} | {first}-{stop - 1} | {summary['rank']} | {calls['c10d::allreduce_']} | "
-                f"{audit['sync_bucket_calls']} + {steps} | {calls['c10d::broadcast_']} | "
+                f"{audit['sync_bucket_calls']} + 2 x {steps} | {calls['c10d::broadcast_']} | "
                 f"{audit['buffer_broadcast_collectives'] + audit['rebuild_broadcast_collectives']} | "
                 f"{seconds['gradient all-reduce'] + seconds['broadcast']:.4f} | {audit['comm_seconds']:.4f} | "
                 f"{summary['compute_seconds_per_micro_batch']:.4f} |"

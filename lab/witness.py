@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from lab.audit import read_clock, settle_comm_hooks
+from lab.checklist import AVERAGE_WITNESS_LABEL
 from lab.cli import LabError
 from lab.experiment import COLLECTIVE_KINDS, COUNTS, from_progressions
 from lab.records import (
@@ -98,6 +99,10 @@ class WindowProfiler:
 
 MICRO_BATCH_LABEL = "micro-batch "
 RANK_AGREEMENT_LABEL = "rank agreement"
+LABELLED_KINDS = {
+    RANK_AGREEMENT_LABEL: "rank-agreement all-reduce",
+    AVERAGE_WITNESS_LABEL: "average-witness all-reduce",
+}
 # Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
 # (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
 COLLECTIVE_EVENTS = {
@@ -127,7 +132,7 @@ def summarize(events, rank, audit):
     labels = [event for event in events if event.device_type == torch.autograd.DeviceType.CPU]
     micro_batches = sorted((e for e in labels if e.name.startswith(MICRO_BATCH_LABEL)), key=event_start)
     origin = event_start(micro_batches[0])
-    agreement_spans = [e.time_range for e in labels if e.name == RANK_AGREEMENT_LABEL]
+    labelled_spans = [(LABELLED_KINDS[e.name], e.time_range) for e in labels if e.name in LABELLED_KINDS]
     calls, executions, collectives = {}, {}, []
     for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
         called = sorted((e for e in events if e.name == call_name), key=event_start)
@@ -135,10 +140,13 @@ def summarize(events, rank, audit):
         calls[call_name], executions[call_name] = len(called), len(executed)
         for call, execution in zip(called, executed):
             kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
-            if any(span.start <= event_start(call) <= span.end for span in agreement_spans):
-                kind = "rank-agreement all-reduce"
+            for labelled, span in labelled_spans:
+                if span.start <= event_start(call) <= span.end:
+                    kind = labelled
             collectives.append([kind, *relative_span(execution, origin)])
     spans = [[int(e.name.removeprefix(MICRO_BATCH_LABEL)), *relative_span(e, origin)] for e in micro_batches]
+    # The optimizer's own profiling range, one per step() call: a witness of the steps beside the step hooks.
+    optimizer_steps = sum(e.name.startswith(OPTIMIZER_STEP_EVENT) for e in labels)
     collective_seconds = {kind: 0.0 for kind in COLLECTIVE_KINDS}
     for kind, start, end in collectives:
         collective_seconds[kind] += end - start
@@ -152,6 +160,7 @@ def summarize(events, rank, audit):
         "rank": rank,
         "calls": calls,
         "executions": executions,
+        "optimizer_steps": optimizer_steps,
         "collective_seconds": collective_seconds,
         "compute_seconds_per_micro_batch": sum(compute) / len(compute),
         "micro_batches": spans,
@@ -175,7 +184,8 @@ def in_range(runs, first, stop):
 def check_profile(folder, record, history):
     """train.py --profile-windows K: the profiler's c10d calls in the recorded micro-batches of epoch 1 must
     be the audit's for the same micro-batches, on every rank: each hook call, each of DDP's used-parameter-map
-    all-reduces and each rank-agreement all-reduce (one per optimizer step) a c10d::allreduce_, each buffer or bucket-rebuild broadcast a
+    all-reduces, each rank-agreement and each average-witness all-reduce (one each per optimizer step) a
+    c10d::allreduce_, each buffer or bucket-rebuild broadcast a
     c10d::broadcast_; on gloo each call also executed once. Returns the profile, or None without one."""
     path = folder / PROFILE_FILE
     if PROFILE_FILE not in record["files"]:
@@ -225,6 +235,12 @@ def check_profile(folder, record, history):
             f"(device-side copies of the labels counted too?)",
         )
         check(
+            summary.get("optimizer_steps") == steps,
+            path,
+            f"rank {rank}: the profiler saw {summary.get('optimizer_steps')} optimizer steps in {where}, the step hooks "
+            f"recorded {steps} there: the two witnesses disagree",
+        )
+        check(
             audit["gradient_syncs"] == syncs,
             path,
             f"rank {rank}: the audit counted {audit['gradient_syncs']} gradient syncs in {where}, the history's "
@@ -232,9 +248,10 @@ def check_profile(folder, record, history):
         )
         expected = {
             "c10d::allreduce_": (
-                audit["sync_bucket_calls"] + audit["used_map_allreduces"] + steps,
+                audit["sync_bucket_calls"] + audit["used_map_allreduces"] + steps + audit["witness_allreduces"],
                 f"{audit['sync_bucket_calls']} hook calls + {audit['used_map_allreduces']} used-parameter-map "
-                f"all-reduces + {steps} rank-agreement all-reduces",
+                f"all-reduces + {steps} rank-agreement all-reduces + {audit['witness_allreduces']} average-witness "
+                f"all-reduces",
             ),
             "c10d::broadcast_": (
                 audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
@@ -258,6 +275,7 @@ def check_profile(folder, record, history):
 
 
 PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
+OPTIMIZER_STEP_EVENT = "Optimizer.step#"  # torch.optim's record_function around each step()
 
 
 def check_profile_spans(path, rank, summary):

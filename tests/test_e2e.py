@@ -161,7 +161,9 @@ def test_strict_verify_rejects_a_run_that_is_not_the_documented_one(lab_runs, tm
     result = run_python("verify.py", "--artifacts", artifacts)
     assert result.returncode == 1
     error = result.stderr.strip()
-    assert error.startswith(f"RuntimeError: {artifacts}/every/history.json: expected 5 epochs, got 2")
+    assert error.startswith(
+        f"RuntimeError: {artifacts}/every/run.json: config batch_size=4 is not the documented experiment's 50"
+    )
     assert "--expect-from-config" in error and "AUDIT PASSED" not in result.stdout
 
 

@@ -1,0 +1,624 @@
+"""The document's checklist observed: witnesses that read what a run did, and verify.py's check of each item.
+
+Every witness reads an event of the run itself, never the window plan the loop follows:
+
+    the model's training forwards     a forward pre-hook: the micro-batch index and the samples that went through
+    the gradient at the logits        a hook on the criterion's input: each backward's start and its loss scale
+    each parameter's own gradient     tensor hooks, before accumulation and before any sync: the local contribution
+    the gradients' state              a linear float64 projection of every .grad at each backward's start and at
+                                      each step: resets (None or zero, however made), accumulation, alterations
+    the optimizer                     its own step pre/post hooks, and its state's step counter
+    the collective                    the hook's tensors handed to all_reduce (CollectiveTap)
+    the average                       one SUM all-reduce per step of each rank's local projections: the synced
+                                      gradient against the mean of the ranks' local gradients
+
+Everything is accumulated on the device and read once per epoch (no host synchronization per micro-batch on
+GPU). docs/audit.md says item by item which witness shows what, the tolerances and their derivation, and what
+no witness can see.
+"""
+
+import math
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.profiler import record_function
+
+from lab import experiment
+from lab.records import AuditError, check, is_int, is_number
+
+# The document's checklist (its last section), in its order: the Romanian text and an English gloss.
+ITEMS = (
+    ("Jobul rulează cu exact două procese și câte un proces pe GPU.", "two processes, one per device"),
+    (
+        "Fiecare rang primește 20.000 de exemple și 400 de micro-batch-uri pe epocă.",
+        "each rank: 20,000 examples, 400 micro-batches per epoch",
+    ),
+    ("Batch-ul efectiv este 400 de imagini.", "the effective batch is 400 images"),
+    ("Pierderea fiecărui micro-batch este împărțită la patru înainte de backward().", "each loss divided by 4"),
+    (
+        "Forward-ul și backward-ul intermediar sunt ambele în contextul no_sync().",
+        "intermediate forward and backward inside no_sync()",
+    ),
+    ("Ultimul micro-batch al ferestrei rulează în afara contextului.", "the window's last micro-batch outside it"),
+    (
+        "optimizer.step() și zero_grad() apar numai după micro-batch-ul sincronizat.",
+        "step() and zero_grad() only after the synchronized micro-batch",
+    ),
+    ("Fiecare epocă are 100 de pași ai optimizatorului.", "100 optimizer steps per epoch"),
+    ("Modul every raportează 400 de sincronizări, iar no_sync raportează 100.", "every 400 syncs, no_sync 100"),
+    (
+        "Baseline-ul, acuratețea pe test și confuziile provin din report.json.",
+        "baseline, test accuracy and confusions from report.json",
+    ),
+)
+# What shows each item in verify.py's table (docs/audit.md says more).
+WITNESSES = (
+    "process group size; every rank's host, device and pid",
+    "training forwards and their samples, per rank; the sampler's shards",
+    "samples through the forward per optimizer step, summed over ranks",
+    "gradient at the logits vs softmax - one-hot, per micro-batch",
+    "hook calls per backward; each backward added onto the last",
+    "sync positions; synced gradient = mean of the ranks' local gradients",
+    "optimizer step hooks; gradient resets seen at each backward and step",
+    "optimizer step hooks and its state's step counter",
+    "hook calls; bytes handed to the collective",
+    "report.json against its own confusion matrix",
+)
+
+AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
+PROJECTION_SEED = 47_000_047
+# Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
+# float32 kernels recomputing the same softmax (torch's log_softmax backward against this witness's float64)
+# differ by a few float32 ulps per element; 2**-16 bounds it with room (measured: below 2**-21, docs/audit.md).
+FLOAT32_KERNEL_SLACK = 2.0**-16
+
+
+def half_spacing_near_zero(dtype):
+    """Half the gap between 0 and the smallest subnormal: what a value flushed to zero on the wire loses."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+def loss_scale_bounds(gradient_dtype):
+    """(divisor's relative deviation, residual) allowed for a logits gradient held in `gradient_dtype`: each
+    element is rounded once (u), the least-squares divisor moves by at most u, the residual by at most 2u."""
+    unit = UNIT_ROUNDOFF[gradient_dtype]
+    return unit + FLOAT32_KERNEL_SLACK, 2 * unit + FLOAT32_KERNEL_SLACK
+
+
+# ----------------------------------------------------------------------------- the collective, tapped
+
+
+class CollectiveTap:
+    """What a gradient hook hands to torch.distributed.all_reduce, read from the call itself: each tensor's dtype
+    and element count. Installed once per process; it records only inside `handed()` on the calling thread."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.original = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            handed = getattr(self.local, "handed", None)
+            if handed is not None:
+                handed.append((tensor.dtype, tensor.numel()))
+            return self.original(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce  # torch's hooks call dist.all_reduce through the package at call time
+
+    def handed(self):
+        tap = self
+
+        class Recording:
+            def __enter__(self):
+                tap.local.handed = []
+                return tap.local.handed
+
+            def __exit__(self, *exception):
+                tap.local.handed = None
+
+        return Recording()
+
+
+# Installed at import, before anything else wraps torch.distributed.all_reduce.
+TAP = CollectiveTap()
+
+
+# ----------------------------------------------------------------------------- the witnesses (train.py)
+
+
+@dataclass
+class ChecklistTrace:
+    """One rank's observations in one epoch (saved with a resumed epoch). Device tensors are read at its end."""
+
+    micro_batches: int = 0  # training forwards seen
+    samples: int = 0  # samples through them
+    backwards: int = 0  # backwards whose gradient reached the logits
+    state_steps_before: int = 0  # the optimizer state's step counter when the epoch began
+    steps_before_backward: list = field(default_factory=list)  # micro-batches whose forward a step followed
+    loss_scales: list = field(default_factory=list)  # per backward: [micro-batch, divisor, residual]
+    gradient_states: list = field(default_factory=list)  # per observation: [point, micro-batch, fresh, off]
+    averages: list = field(default_factory=list)  # per step: [synced, mean of locals, bound, samples, forwards]
+
+    def to(self, device):
+        moved = ChecklistTrace(**vars(self))
+        for name in ("loss_scales", "gradient_states", "averages"):
+            setattr(moved, name, [value.to(device) for value in getattr(self, name)])
+        return moved
+
+
+BACKWARD, STEP, EPOCH_END = 0, 1, 2  # where the gradients' state was read
+
+
+def projection_weights(parameters, device):
+    """A fixed float64 weight per gradient element, the same on every rank (seeded): F(g) = sum(w * g)."""
+    generator = torch.Generator().manual_seed(PROJECTION_SEED)
+    return [torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device) for p in parameters]
+
+
+class Witness:
+    """The checklist's witnesses on one rank, attached to the run's model, criterion, optimizer and audit."""
+
+    def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
+        self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
+        self.parameters = [p for p in self.module.parameters() if p.requires_grad]
+        self.weights = projection_weights(self.parameters, device)
+        self.abs_weights = [w.abs() for w in self.weights]
+        self.weight_l1 = sum(w.sum().item() for w in self.abs_weights)
+        self.elements = sum(p.numel() for p in self.parameters)
+        self.dot_slack = self.elements * UNIT_ROUNDOFF[torch.float64]  # a float64 sum of n products, relative
+        self.trace = None
+        self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
+        self.pending = None  # the backward under way: (micro-batch, F before, T before, syncs before)
+        self.contribution = torch.zeros(2, dtype=torch.float64, device=device)  # [F, T] of its own gradients
+        self.window = torch.zeros(5, dtype=torch.float64, device=device)  # [F local, T, samples, forwards, syncs]
+        self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
+        self.window_syncs = 0
+        self.wire_dtype = torch.float32
+        self.module.register_forward_pre_hook(self.on_forward)
+        criterion.register_forward_hook(self.on_loss)
+        for parameter, weight, abs_weight in zip(self.parameters, self.weights, self.abs_weights):
+            parameter.register_hook(partial(self.on_parameter_gradient, weight, abs_weight))
+        optimizer.register_step_pre_hook(self.on_step_begin)
+        optimizer.register_step_post_hook(self.on_step_end)
+
+    # -- the epoch
+
+    def begin_epoch(self, epoch_trace):
+        """Observe into this epoch's trace (a resumed epoch's holds what the earlier start saw; a new process
+        starts with nothing expected of the gradients, as a resume comes at a window's end)."""
+        self.epoch_trace, self.trace = epoch_trace, epoch_trace.checklist
+        if self.trace.micro_batches == 0:
+            self.trace.state_steps_before = self.state_steps()
+
+    def state_steps(self):
+        """The optimizer's own count of its updates (AdamW's state 'step'), 0 before the first."""
+        state = self.optimizer.state.get(self.parameters[0], {})
+        return int(state["step"].item()) if "step" in state else 0
+
+    def end_epoch(self):
+        """Close the epoch (a sync no step followed is checked here) and return its observations for the row."""
+        self.close_backward()
+        if self.window_syncs:  # the same on every rank: the syncs were collectives
+            self.observe(EPOCH_END, self.trace.micro_batches - 1)
+            self.reduce_window()
+        trace = self.trace
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "micro_batches": trace.micro_batches,
+            "samples": trace.samples,
+            "backwards": trace.backwards,
+        }
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)  # the default group (gloo): host objects
+        return summarize(trace, ranks, self.state_steps() - trace.state_steps_before)
+
+    # -- the events
+
+    def training(self):
+        return self.module.training and torch.is_grad_enabled()
+
+    def on_forward(self, module, inputs):
+        if not self.training():
+            return
+        self.close_backward()
+        samples = inputs[0].shape[0]
+        self.trace.micro_batches += 1
+        self.trace.samples += samples
+        self.window[2] += samples
+        self.window[3] += 1
+
+    def on_loss(self, criterion, inputs, output):
+        logits, targets = inputs[0], inputs[1]
+        if self.training() and logits.requires_grad:
+            logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
+
+    def on_logits_gradient(self, logits, targets, gradient):
+        """The backward's first event in the model: read the gradients' state, and the loss scale from the
+        gradient that reached the logits against the mean loss's own, (softmax - one-hot) / batch."""
+        index = self.trace.micro_batches - 1
+        before = self.observe(BACKWARD, index)
+        self.trace.backwards += 1
+        expected = F.softmax(logits.double(), dim=1)
+        expected[torch.arange(targets.numel(), device=targets.device), targets] -= 1
+        expected /= targets.numel()
+        seen = gradient.double()
+        divisor = expected.pow(2).sum() / (seen * expected).sum()
+        residual = (seen * divisor - expected).norm() / expected.norm()
+        position = torch.full((), float(index), dtype=torch.float64, device=self.device)  # no host copy
+        self.trace.loss_scales.append(torch.stack([position, divisor, residual]))
+        self.contribution.zero_()
+        self.pending = (index, before[0], before[1], self.comm_audit.gradient_syncs, gradient.dtype)
+
+    def on_parameter_gradient(self, weight, abs_weight, gradient):
+        """A parameter's gradient from this backward alone, before it is accumulated or synchronized."""
+        if self.pending is None:
+            return
+        local = gradient.double()
+        self.contribution[0] += (local * weight).sum()
+        self.contribution[1] += (local.abs() * abs_weight).sum()
+
+    def on_step_begin(self, optimizer, args, kwargs):
+        self.observe(STEP, self.trace.micro_batches - 1)
+        self.reduce_window()
+
+    def on_step_end(self, optimizer, args, kwargs):
+        """A step follows the last backward that began (a step between a forward and its backward belongs to
+        the micro-batch before, and is recorded as such too)."""
+        forward = self.trace.micro_batches - 1
+        if self.trace.backwards < self.trace.micro_batches:
+            self.trace.steps_before_backward.append(forward)
+        self.epoch_trace.step_positions.append(self.trace.backwards - 1 if self.trace.backwards else forward)
+
+    # -- the gradients' state
+
+    def projections(self):
+        """[F, T] of the gradients held now (T = sum |w| |g|: zero exactly when every gradient is), and whether
+        none is held at all."""
+        held = [
+            (p.grad, w, a) for p, w, a in zip(self.parameters, self.weights, self.abs_weights) if p.grad is not None
+        ]
+        if not held:
+            return torch.zeros(2, dtype=torch.float64, device=self.device), True
+        values = [torch.stack([(g.double() * w).sum(), (g.double().abs() * a).sum()]) for g, w, a in held]
+        return torch.stack(values).sum(0), False
+
+    def close_backward(self):
+        """The backward under way has ended (the next event came): did it synchronize (the hook saw its last
+        bucket), and what must the gradients hold now?"""
+        if self.pending is None:
+            return
+        index, before, before_abs, syncs_before, _ = self.pending
+        self.pending = None
+        local = torch.stack([before + self.contribution[0], before_abs + self.contribution[1]])
+        if self.comm_audit.gradient_syncs != syncs_before:
+            self.epoch_trace.sync_positions.append(index)
+            self.window[0] += local[0]
+            self.window[1] += local[1]
+            self.window[4] += 1
+            self.window_syncs += 1
+            self.wire_dtype = self.comm_audit.wire_dtype or torch.float32
+            self.expectation = ("synced",)
+        else:  # accumulated locally in float32: each element rounded once
+            bound = local[1] * (UNIT_ROUNDOFF[torch.float32] + 2 * self.dot_slack)
+            self.expectation = ("local", local[0], bound)
+
+    def observe(self, point, index):
+        """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
+        it), or not what the last backward left (altered). Returns [F, T] now."""
+        self.close_backward()
+        now, none_held = self.projections()
+        fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
+        off = torch.zeros((), dtype=torch.bool, device=self.device)
+        if self.expectation is not None and self.expectation[0] == "local":
+            _, expected, bound = self.expectation
+            off = ~fresh & ((now[0] - expected).abs() > bound)
+        elif self.expectation is not None and self.expectation[0] == "synced":
+            self.synced_observed += now[0]
+        codes = torch.full((2,), float(point), dtype=torch.float64, device=self.device)  # no host copy
+        codes[1] = index
+        self.trace.gradient_states.append(torch.cat([codes, torch.stack([fresh, off]).double()]))
+        # From here on the gradients must stay as read (only a reset or a backward may change them): the same
+        # values projected again give the same sum, within the float64 sum's own rounding.
+        self.expectation = ("local", now[0], now[1] * 2 * self.dot_slack)
+        return now
+
+    def reduce_window(self):
+        """One SUM all-reduce of the window's local projections, samples, forwards and syncs (counted as the
+        audit's witness_allreduces): the synced gradient must be the mean of the ranks' local gradients."""
+        world_size = self.comm_audit.world_size
+        summed = self.window.clone()
+        with record_function(AVERAGE_WITNESS_LABEL):
+            dist.all_reduce(summed, group=self.comm_audit.group)
+        self.comm_audit.witness_allreduces += 1
+        # The hook divides by the world size and sums, on the wire's dtype: about world_size + 2 roundings of
+        # the sum of magnitudes per element; a value flushed to zero on the wire loses at most half a gap.
+        unit = UNIT_ROUNDOFF[self.wire_dtype]
+        bound = (
+            summed[1] * ((world_size + 2) * unit + 2 * self.dot_slack) / world_size
+            + summed[4] * (world_size + 1) * half_spacing_near_zero(self.wire_dtype) * self.weight_l1
+        )
+        mean = summed[0] / world_size
+        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[2], summed[3]]))
+        self.window.zero_()
+        self.synced_observed.zero_()
+        self.window_syncs = 0
+
+
+def runs_of(values):
+    """Consecutive equal values as [value, count] pairs."""
+    runs = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return runs
+
+
+def divisor_runs(scales):
+    """Per backward [micro-batch, divisor seen, residual] as [start, stop, whole divisor] runs of consecutive
+    micro-batches (stop exclusive; None where the divisor is not a finite number)."""
+    runs = []
+    for index, divisor, _ in scales:
+        whole = round(divisor) if math.isfinite(divisor) else None
+        if runs and runs[-1][1] == int(index) and runs[-1][2] == whole:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(index), int(index) + 1, whole])
+    return runs
+
+
+def summarize(trace, ranks, state_steps):
+    """The epoch's observations as the row's `checklist` (one host read of everything kept on the device)."""
+    scales = torch.stack(trace.loss_scales).tolist() if trace.loss_scales else []
+    states = torch.stack(trace.gradient_states).tolist() if trace.gradient_states else []
+    averages = torch.stack(trace.averages).tolist() if trace.averages else []
+    deviation = residual = 0.0
+    for _, divisor, off in scales:
+        whole = round(divisor) if math.isfinite(divisor) else 0
+        deviation = max(deviation, abs(divisor / whole - 1) if whole else math.inf)
+        residual = max(residual, off if math.isfinite(off) else math.inf)
+    off_average = [
+        {"optimizer_step": step, "synced": synced, "mean_of_ranks": mean, "bound": bound}
+        for step, (synced, mean, bound, _, _) in enumerate(averages, 1)
+        if not abs(synced - mean) <= bound
+    ]
+
+    def positions(keep):
+        return experiment.as_progressions(
+            [int(index) for point, index, fresh, off in states if keep(point, fresh, off)]
+        )
+
+    return {
+        "ranks": ranks,
+        "backward_starts": positions(lambda point, fresh, off: point == BACKWARD),
+        "fresh_at_backward": positions(lambda point, fresh, off: point == BACKWARD and fresh),
+        "fresh_at_step": positions(lambda point, fresh, off: point != BACKWARD and fresh),
+        "altered_at": positions(lambda point, fresh, off: off),
+        "loss_divisors": divisor_runs(scales),
+        "loss_scale_deviation": deviation if math.isfinite(deviation) else None,
+        "loss_scale_residual": residual if math.isfinite(residual) else None,
+        "step_samples": runs_of([int(samples) for *_, samples, _ in averages]),
+        "step_micro_batches": runs_of([int(forwards) for *_, forwards in averages]),
+        "averages_checked": len(averages),
+        "first_average_off": off_average[0] if off_average else None,
+        "optimizer_state_steps": state_steps,
+        "steps_before_backward": trace.steps_before_backward,
+    }
+
+
+# ----------------------------------------------------------------------------- the checklist checked (verify.py)
+
+
+def item(number):
+    """The suffix every refusal carries: which item of the document's checklist it breaks."""
+    return f" [checklist item {number}: {ITEMS[number - 1][1]}]"
+
+
+def refuse(path, number, where, message, checklist_item):
+    raise AuditError(f"{path}: epoch {number}{where}: {message}{item(checklist_item)}")
+
+
+def expected_micro_batch_sizes(config):
+    """The samples each micro-batch of a rank's epoch holds: the loader's batches over the rank's padded shard."""
+    shard = math.ceil(config["train_size"] / config["world_size"])
+    sizes = [config["batch_size"]] * (shard // config["batch_size"])
+    return sizes + ([shard % config["batch_size"]] if shard % config["batch_size"] else [])
+
+
+def window_starts(plan):
+    return [index for index in range(len(plan)) if index == 0 or plan[index - 1].step]
+
+
+def first_difference(seen, expected):
+    """The first index where two lists differ (their lengths included), with both values there."""
+    for index in range(max(len(seen), len(expected))):
+        have = seen[index] if index < len(seen) else "none"
+        want = expected[index] if index < len(expected) else "none"
+        if have != want:
+            return index, have, want
+    return None
+
+
+def check_epoch(path, number, row, config, mode, plan):
+    """Every checklist item of one epoch row as the witnesses saw it (lab/checklist.py), against what the run's
+    configuration implies; a refusal names the item, the epoch, the micro-batch and what was seen."""
+    seen = row.get("checklist")
+    fields = {
+        "ranks": list,
+        "backward_starts": list,
+        "fresh_at_backward": list,
+        "fresh_at_step": list,
+        "altered_at": list,
+        "loss_divisors": list,
+        "step_samples": list,
+        "step_micro_batches": list,
+    }
+    check(
+        isinstance(seen, dict)
+        and all(isinstance(seen.get(name), kind) for name, kind in fields.items())
+        and is_int(seen.get("averages_checked"))
+        and is_int(seen.get("optimizer_state_steps")),
+        path,
+        f"epoch row {number}: checklist must hold the witnesses' observations ({', '.join(fields)}, "
+        f"averages_checked, optimizer_state_steps), got {seen!r}",
+    )
+    world_size = config["world_size"]
+
+    # 1. The processes: as many ranks as the run's world, each its own process, on CUDA each its own device.
+    ranks = seen["ranks"]
+    check(
+        all(isinstance(rank, dict) for rank in ranks),
+        path,
+        f"epoch row {number}: checklist ranks must be objects, got {ranks!r}",
+    )
+    if len(ranks) != world_size:
+        refuse(path, number, "", f"{len(ranks)} ranks reported, the run's world has {world_size}", 1)
+    processes = {(rank.get("host"), rank.get("pid")) for rank in ranks}
+    if len(processes) != world_size:
+        refuse(path, number, "", f"{world_size} ranks ran in {len(processes)} processes", 1)
+    if config.get("device") == "cuda":
+        devices = {(rank.get("host"), rank.get("device")) for rank in ranks}
+        if len(devices) != world_size:
+            refuse(path, number, "", f"{world_size} ranks shared {len(devices)} GPUs: one process per GPU", 1)
+
+    # 2. Each rank's micro-batches and examples, counted at the model's forward.
+    sizes = expected_micro_batch_sizes(config)
+    for rank_number, rank in enumerate(ranks):
+        for key, expected, what in (
+            ("micro_batches", len(sizes), "micro-batches"),
+            ("samples", sum(sizes), "examples"),
+            ("backwards", len(sizes), "backwards"),
+        ):
+            if rank.get(key) != expected:
+                refuse(path, number, "", f"rank {rank_number} ran {rank.get(key)} {what} (expected {expected})", 2)
+
+    # 4. The loss scale seen at the logits: the window's divisor at every micro-batch, within the bound.
+    divisors = []
+    for entry in seen["loss_divisors"]:
+        check(
+            isinstance(entry, list) and len(entry) == 3 and is_int(entry[0]) and is_int(entry[1]),
+            path,
+            f"epoch row {number}: loss_divisors must be [start, stop, divisor] runs, got {entry!r}",
+        )
+        divisors += [(index, entry[2]) for index in range(entry[0], entry[1])]
+    planned = [(index, micro_step.loss_divisor) for index, micro_step in enumerate(plan)]
+    difference = first_difference(divisors, planned)
+    if difference is not None:
+        _, have, want = difference
+        where = have[0] if isinstance(have, tuple) else want[0]
+        seen_divisor = have[1] if isinstance(have, tuple) else "no backward"
+        refuse(
+            path,
+            number,
+            f", micro-batch {where}",
+            f"the gradient at the logits was the mean loss's divided by {seen_divisor}, the window's divisor is "
+            f"{want[1] if isinstance(want, tuple) else 'none'}",
+            4,
+        )
+    gradient_dtype = torch.bfloat16 if config.get("precision") == "bf16" else torch.float32
+    deviation_bound, residual_bound = loss_scale_bounds(gradient_dtype)
+    deviation, residual = seen.get("loss_scale_deviation"), seen.get("loss_scale_residual")
+    if not (is_number(deviation) and deviation <= deviation_bound):
+        refuse(path, number, "", f"the loss divisor seen at the logits is {deviation!r} off a whole number "
+               f"(bound {deviation_bound:.3g} for {config.get('precision')})", 4)  # fmt: skip
+    if not (is_number(residual) and residual <= residual_bound):
+        refuse(path, number, "", f"the gradient at the logits is not the mean cross-entropy's (relative residual "
+               f"{residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
+
+    # 5 and 7. Resets only at the windows' starts; every other backward adds onto what the last one left.
+    starts = window_starts(plan)
+    backward_starts = experiment.from_progressions(seen["backward_starts"])
+    difference = first_difference(backward_starts, list(range(len(plan))))
+    if difference is not None:
+        refuse(path, number, "", f"backward {difference[0] + 1} started at micro-batch {difference[1]}, expected "
+               f"{difference[2]}", 2)  # fmt: skip
+    fresh = experiment.from_progressions(seen["fresh_at_backward"])
+    difference = first_difference(fresh, starts)
+    if difference is not None:
+        _, have, want = difference
+        if have != "none" and (want == "none" or have < want):
+            refuse(path, number, f", micro-batch {have}", "its backward started on reset gradients inside a window "
+                   "(zero_grad or a reset before the window's synchronized micro-batch)", 7)  # fmt: skip
+        refuse(path, number, f", micro-batch {want}", "its backward added onto the previous window's gradients "
+               "(no reset after the step)", 7)  # fmt: skip
+    between = seen.get("steps_before_backward")
+    check(isinstance(between, list), path, f"epoch row {number}: steps_before_backward must be a list, got {between!r}")
+    if between:
+        refuse(path, number, f", micro-batch {between[0]}", "the optimizer stepped between its forward and its "
+               "backward", 7)  # fmt: skip
+    fresh_at_step = experiment.from_progressions(seen["fresh_at_step"])
+    if fresh_at_step:
+        refuse(path, number, f", micro-batch {fresh_at_step[0]}", "the optimizer stepped on reset gradients "
+               "(zero_grad before step)", 7)  # fmt: skip
+    altered = seen["altered_at"]
+    if altered:
+        where = experiment.from_progressions(altered)[0]
+        refuse(path, number, f", micro-batch {where}", "the gradients were not what the backward before left "
+               "(changed between backwards, or not accumulated)", 5)  # fmt: skip
+
+    # 3. The samples behind each step, summed over the ranks.
+    windows, window = [], []
+    for index, micro_step in enumerate(plan):
+        window.append(index)
+        if micro_step.step:
+            windows, window = windows + [window], []
+    expected_samples = [world_size * sum(sizes[index] for index in window) for window in windows]
+    expected_forwards = [world_size * len(window) for window in windows]
+    for key, expected, what in (
+        ("step_samples", expected_samples, "samples"),
+        ("step_micro_batches", expected_forwards, "micro-batches"),
+    ):
+        got = [value for value, count in seen[key] for _ in range(count)]
+        difference = first_difference(got, expected)
+        if difference is not None:
+            refuse(path, number, f", optimizer step {difference[0] + 1}", f"{difference[1]} {what} over all ranks "
+                   f"went into it, expected {difference[2]}", 3)  # fmt: skip
+
+    # 6. The synchronized gradient is the mean of the ranks' local (accumulated) gradients, at every step.
+    off = seen.get("first_average_off")
+    if off is not None:
+        check(isinstance(off, dict), path, f"epoch row {number}: first_average_off must be an object, got {off!r}")
+        refuse(path, number, f", optimizer step {off.get('optimizer_step')}", f"the synchronized gradient's "
+               f"projection {off.get('synced')!r} is not the mean of the ranks' local ones {off.get('mean_of_ranks')!r} "
+               f"(bound {off.get('bound')!r}): the all-reduce did not average", 6)  # fmt: skip
+    if seen["averages_checked"] != row["optimizer_steps"]:
+        refuse(path, number, "", f"{seen['averages_checked']} averages checked for {row['optimizer_steps']} steps", 6)
+
+    # 8. The optimizer's own count of its updates.
+    if seen["optimizer_state_steps"] != row["optimizer_steps"]:
+        refuse(path, number, "", f"the optimizer's state counted {seen['optimizer_state_steps']} updates, its step "
+               f"hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
+
+
+def check_documented(path, config):
+    """The strict audit: the run is the document's experiment, key by key (the first that differs is named);
+    platform choices are printed by verify.py, not compared."""
+    for key, value in experiment.DOCUMENTED.items():
+        if config.get(key) != value:
+            raise AuditError(
+                f"{path}: config {key}={config.get(key)!r} is not the documented experiment's {value!r}: run the "
+                f"documented experiment, or audit these runs against their own configuration with --expect-from-config"
+            )
+
+
+PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_checkpointing", "nodes")
+
+
+def print_checklist(runs):
+    """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
+    print()
+    print("The document's checklist, observed (lab/checklist.py; docs/audit.md):")
+    print("| # | item (document) | in English | " + " | ".join(runs) + " | seen by |")
+    print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
+    for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):
+        print(f"| {number} | {text} | {gloss} | " + " | ".join("✓" for _ in runs) + f" | {witness} |")
