@@ -134,13 +134,8 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
 def make_optimizer(parameters, device):
     """The document's AdamW; on GPU one fused kernel updates every parameter (on CPU the step is about 1 ms
     of a window's 850, whichever implementation)."""
-    documented = experiment.DOCUMENTED
-    return torch.optim.AdamW(
-        parameters,
-        lr=documented["learning_rate"],
-        weight_decay=documented["weight_decay"],
-        fused=True if device.type == "cuda" else None,
-    )
+    lr, decay = experiment.DOCUMENTED["learning_rate"], experiment.DOCUMENTED["weight_decay"]
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay, fused=True if device.type == "cuda" else None)
 
 
 # ----------------------------------------------------------------------------- training and evaluation
@@ -168,10 +163,10 @@ def train_epoch(
     where the syncs, steps and resets happened, from what they see.
     """
     epoch = epoch or resume.EpochState(0)
-    ddp_model.witness.begin_epoch(epoch.trace)
+    comm_audit, trace = ddp_model.comm_audit, epoch.trace
+    checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
     ddp_model.train()
     optimizer.zero_grad(set_to_none=True)
-    comm_audit, trace = ddp_model.comm_audit, epoch.trace
     parameters = list(ddp_model.parameters())
     if epoch.totals is None:
         epoch.totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -264,8 +259,8 @@ def run(args, place):
     ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
-    ddp_model.witness = checklist.Witness(ddp_model, optimizer, criterion, comm_audit, device)
     config.update(learning_rate=optimizer.defaults["lr"], weight_decay=optimizer.defaults["weight_decay"])
+    config["augmentation"] = loaders.AUGMENTATION  # with the optimizer's: what strict verify holds to the document's
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(setup.precision.autocast, device.type)
 

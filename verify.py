@@ -21,7 +21,7 @@ timeline.png when both runs were profiled.
 
 from pathlib import Path
 
-from lab import checklist, checks, experiment, tables
+from lab import certify, checks, experiment, tables
 from lab.cli import ArgumentParser, LabError, exit_with
 from lab.records import (
     CONFUSION_FILE,
@@ -55,9 +55,9 @@ def audit_run(folder, mode, record, expected_config, sizes, strict):
     try:
         report = checks.check_report(folder / REPORT_FILE, mode, record)
     except AuditError as error:
-        raise AuditError(f"{error}{checklist.item(10)}", error.kind) from None
+        raise AuditError(f"{error}{certify.item(10)}", error.kind) from None
     if strict:  # the documented experiment's model learned
-        checks.check_learned(folder, report)
+        certify.check_learned(folder, report)
     training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
     checks.check_model(folder / MODEL_FILE, mode, record, training_forwards)
     checks.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
@@ -86,10 +86,10 @@ def main():
         expected_config = config
     else:
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
-            checks.check_real_data(artifacts / mode, record)
-        checklist.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
+            certify.check_real_data(artifacts / mode, record)
+        certify.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
         expected_config = experiment.DOCUMENTED
-    platform = ", ".join(f"{key} {config.get(key)}" for key in checklist.PLATFORM_CHOICES)
+    platform = ", ".join(f"{key} {config.get(key)}" for key in certify.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(CifarCNN())
     runs = {
@@ -105,7 +105,7 @@ def main():
                 )
     tables.print_tables(runs, config)
     tables.print_witness(runs)
-    checklist.print_checklist(runs)
+    certify.print_checklist(runs)
     timeline = tables.draw_pictures(artifacts, runs, records)
     pictures = [artifacts / tables.CURVES_FILE, artifacts / tables.COMMUNICATION_FILE] + (
         [timeline] if timeline else []

@@ -10,7 +10,8 @@ Back to back, on the same machine:
    evaluation forward alone;
 2. the audit's overhead: on those tensors, the document's no_sync loop on plain DDP against the lab's loop
    (train.train_epoch on the audited DDP: counts, sync and step positions, the ranks' fingerprints at every
-   optimizer step), taking turns;
+   optimizer step, the checklist's witnesses), and the lab's loop without the witnesses, taking turns; the
+   witnesses' hooks' own time summed;
 3. the lab itself: `train.py --mode no_sync --epochs 1` with each loader, the whole process timed, its
    training phase (epoch_seconds) and validation (validation_seconds) read from its history.
 Efficiency = floor / measured. The table is printed and written with everything measured to
@@ -36,7 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from lab import audit, cli, data, experiment, launch, loaders, records  # noqa: E402
+from lab import audit, checklist, cli, data, experiment, launch, loaders, records  # noqa: E402
 from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_speed.py"
@@ -141,10 +142,12 @@ def worker(args):
 
         return body
 
-    def lab_loop():
-        """train.train_epoch on the audited DDP: counts, positions and the ranks' fingerprints at every step."""
-        ddp_model, _ = train.wrap_model(fresh_model(), device, place.world_size, group)
+    def lab_loop(witnesses):
+        """train.train_epoch on the audited DDP: counts, positions and the ranks' fingerprints at every step,
+        with the checklist's witnesses (their hooks' own time summed) or without them."""
+        ddp_model, comm_audit = train.wrap_model(fresh_model(), device, place.world_size, group)
         ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
+        ddp_model.witness = witnesses(ddp_model, ddp_optimizer, criterion, comm_audit, device)
         return lambda: train.train_epoch(
             ddp_model, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress
         )
@@ -153,7 +156,8 @@ def worker(args):
         "train": train_windows,
         "evaluate": evaluate_batches,
         "document loop": document_loop(),
-        "lab loop": lab_loop(),
+        "lab loop": lab_loop(TimedWitness),
+        "lab loop without the checklist": lab_loop(Unwitnessed),
     }
     for body in bodies.values():  # warm-up: first-call allocations and kernel choices
         body()
@@ -161,6 +165,7 @@ def worker(args):
     for _ in range(args.repeats):  # in turn, so that a drift of the machine's speed touches every variant
         for name, body in bodies.items():
             samples[name].append(timed(body) / micro_batches)
+    samples["checklist hooks"] = TimedWitness.seconds / ((args.repeats + 1) * micro_batches)
     gathered = [None] * place.world_size
     dist.all_gather_object(gathered, samples)
     if place.rank == 0:
@@ -171,10 +176,12 @@ def worker(args):
             )
             for name in bodies
         }
+        hooks = max(rank_samples["checklist hooks"] for rank_samples in gathered)
         print(
             json.dumps(
                 {
                     "seconds_per_micro_batch": medians,
+                    "checklist_hook_seconds_per_micro_batch": hooks,
                     "threads": torch.get_num_threads(),
                     "device": str(device),
                     "precision": precision.name,
@@ -184,6 +191,37 @@ def worker(args):
         )
     audit.settle_comm_hooks()
     dist.destroy_process_group()
+
+
+class TimedWitness(checklist.Witness):
+    """The checklist's witnesses with the host time spent in their hooks summed (their collective included)."""
+
+    seconds = 0.0
+
+
+def timed_hook(hook):
+    def timed(self, *args):
+        started = time.perf_counter()
+        try:
+            return hook(self, *args)
+        finally:
+            TimedWitness.seconds += time.perf_counter() - started
+
+    return timed
+
+
+for name in ("on_forward", "on_loss", "on_logits_gradient", "on_parameter_gradient", "on_step_begin", "on_step_end"):
+    setattr(TimedWitness, name, timed_hook(getattr(checklist.Witness, name)))
+
+
+class Unwitnessed:
+    """No witnesses: train_epoch's call to begin an epoch does nothing (the loop otherwise the lab's)."""
+
+    def __init__(self, *args):
+        pass
+
+    def begin_epoch(self, trace):
+        pass
 
 
 def device_ids(device):
@@ -249,6 +287,13 @@ def table_rows(floor, runs):
     rows.append(
         ("lab loop with its audit, no_sync (vs the document's loop)", floor["lab loop"], floor["document loop"])
     )
+    rows.append(
+        (
+            "lab loop with the checklist's witnesses (vs without them)",
+            floor["lab loop"],
+            floor["lab loop without the checklist"],
+        )
+    )
     return rows
 
 
@@ -307,6 +352,11 @@ def main():
     )
     rows = table_rows(floor, runs)
     print_table(rows, runs, cache_seconds)
+    hooks = measured["checklist_hook_seconds_per_micro_batch"]
+    print(
+        f"\nthe checklist's hooks, their own time: {hooks * 1000:.2f} ms per micro-batch, "
+        f"{hooks / floor['lab loop']:.1%} of the lab loop's micro-batch"
+    )
     settings = ("data_dir", "nproc_per_node", "device", "precision", "windows", "repeats")
     report = {
         "machine": machine(device),
@@ -316,6 +366,7 @@ def main():
             name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings
         },
         "floor_seconds_per_micro_batch": floor,
+        "checklist_hook_seconds_per_micro_batch": measured["checklist_hook_seconds_per_micro_batch"],
         "lab_runs": runs,
         "decode_cache_seconds": cache_seconds,
         "rows": [{"part": part, "measured_seconds": m, "floor_seconds": f, "efficiency": f / m} for part, m, f in rows],

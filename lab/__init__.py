@@ -6,12 +6,14 @@ per concern; docs/architecture.md draws what flows between them.
     precision    BF16 autocast or float32, chosen for the hardware
     pictures     the pictures, drawn with Pillow
     records      the run folder written all or nothing, the run's configuration, rows and results, read back
+    checklist    the document's checklist observed: witnesses of what a run did, and verify.py's check of each item
     data         CIFAR-10's two layouts, the decode cache, the seeded split and the samplers
     loaders      the two loaders (tensor, PIL) over the split, and an epoch's batches from any batch on
     audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
     launch       where a process runs, and every rank's agreement on options, device, precision and data
     resume       the run's state saved at epochs' and windows' ends, resumed bit for bit; SIGTERM as a stop
     witness      the profiler as the audit's second witness, and its check
+    certify      verify.py's check of each checklist item against the witnesses, the strict audit, the checklist table
     checks       the facts verify.py checks, one function per artifact or fact
     tables       what verify.py prints and draws once every check has held
 

@@ -21,6 +21,7 @@ import math
 import os
 import socket
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -30,7 +31,6 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from lab import experiment
-from lab.records import AuditError, check, is_int, is_number
 
 # The document's checklist (its last section), in its order: the Romanian text and an English gloss.
 ITEMS = (
@@ -105,29 +105,23 @@ class CollectiveTap:
         self.original = dist.all_reduce
 
         def all_reduce(tensor, *args, **kwargs):
-            handed = getattr(self.local, "handed", None)
-            if handed is not None:
-                handed.append((tensor.dtype, tensor.numel()))
+            if getattr(self.local, "handed", None) is not None:
+                self.local.handed.append((tensor.dtype, tensor.numel()))
             return self.original(tensor, *args, **kwargs)
 
         dist.all_reduce = all_reduce  # torch's hooks call dist.all_reduce through the package at call time
 
+    @contextmanager
     def handed(self):
-        tap = self
-
-        class Recording:
-            def __enter__(self):
-                tap.local.handed = []
-                return tap.local.handed
-
-            def __exit__(self, *exception):
-                tap.local.handed = None
-
-        return Recording()
+        """Yields the list the block's all_reduce calls on this thread append (dtype, element count) to."""
+        self.local.handed = []
+        try:
+            yield self.local.handed
+        finally:
+            self.local.handed = None
 
 
-# Installed at import, before anything else wraps torch.distributed.all_reduce.
-TAP = CollectiveTap()
+TAP = CollectiveTap()  # installed at import, before anything else wraps torch.distributed.all_reduce
 
 
 # ----------------------------------------------------------------------------- the witnesses (train.py)
@@ -174,6 +168,7 @@ class Witness:
         self.elements = sum(p.numel() for p in self.parameters)
         self.dot_slack = self.elements * UNIT_ROUNDOFF[torch.float64]  # a float64 sum of n products, relative
         self.trace = None
+        self.awaiting_loss = False
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, F before, T before, syncs before)
         self.contribution = torch.zeros(2, dtype=torch.float64, device=device)  # [F, T] of its own gradients
@@ -233,12 +228,14 @@ class Witness:
         samples = inputs[0].shape[0]
         self.trace.micro_batches += 1
         self.trace.samples += samples
+        self.awaiting_loss = True  # the criterion's next call is on this forward's output
         self.window[2] += samples
         self.window[3] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
-        if self.training() and logits.requires_grad:
+        if self.awaiting_loss and self.training() and logits.requires_grad:
+            self.awaiting_loss = False
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
@@ -353,6 +350,13 @@ class Witness:
         self.window_syncs = 0
 
 
+def witness_of(ddp_model, optimizer, criterion, device):
+    """The model's witnesses, attached at its first training epoch: their hooks watch every epoch after it."""
+    if not hasattr(ddp_model, "witness"):
+        ddp_model.witness = Witness(ddp_model, optimizer, criterion, ddp_model.comm_audit, device)
+    return ddp_model.witness
+
+
 def runs_of(values):
     """Consecutive equal values as [value, count] pairs."""
     runs = []
@@ -414,211 +418,3 @@ def summarize(trace, ranks, state_steps):
         "optimizer_state_steps": state_steps,
         "steps_before_backward": trace.steps_before_backward,
     }
-
-
-# ----------------------------------------------------------------------------- the checklist checked (verify.py)
-
-
-def item(number):
-    """The suffix every refusal carries: which item of the document's checklist it breaks."""
-    return f" [checklist item {number}: {ITEMS[number - 1][1]}]"
-
-
-def refuse(path, number, where, message, checklist_item):
-    raise AuditError(f"{path}: epoch {number}{where}: {message}{item(checklist_item)}")
-
-
-def expected_micro_batch_sizes(config):
-    """The samples each micro-batch of a rank's epoch holds: the loader's batches over the rank's padded shard."""
-    shard = math.ceil(config["train_size"] / config["world_size"])
-    sizes = [config["batch_size"]] * (shard // config["batch_size"])
-    return sizes + ([shard % config["batch_size"]] if shard % config["batch_size"] else [])
-
-
-def window_starts(plan):
-    return [index for index in range(len(plan)) if index == 0 or plan[index - 1].step]
-
-
-def first_difference(seen, expected):
-    """The first index where two lists differ (their lengths included), with both values there."""
-    for index in range(max(len(seen), len(expected))):
-        have = seen[index] if index < len(seen) else "none"
-        want = expected[index] if index < len(expected) else "none"
-        if have != want:
-            return index, have, want
-    return None
-
-
-def check_epoch(path, number, row, config, mode, plan):
-    """Every checklist item of one epoch row as the witnesses saw it (lab/checklist.py), against what the run's
-    configuration implies; a refusal names the item, the epoch, the micro-batch and what was seen."""
-    seen = row.get("checklist")
-    fields = {
-        "ranks": list,
-        "backward_starts": list,
-        "fresh_at_backward": list,
-        "fresh_at_step": list,
-        "altered_at": list,
-        "loss_divisors": list,
-        "step_samples": list,
-        "step_micro_batches": list,
-    }
-    check(
-        isinstance(seen, dict)
-        and all(isinstance(seen.get(name), kind) for name, kind in fields.items())
-        and is_int(seen.get("averages_checked"))
-        and is_int(seen.get("optimizer_state_steps")),
-        path,
-        f"epoch row {number}: checklist must hold the witnesses' observations ({', '.join(fields)}, "
-        f"averages_checked, optimizer_state_steps), got {seen!r}",
-    )
-    world_size = config["world_size"]
-
-    # 1. The processes: as many ranks as the run's world, each its own process, on CUDA each its own device.
-    ranks = seen["ranks"]
-    check(
-        all(isinstance(rank, dict) for rank in ranks),
-        path,
-        f"epoch row {number}: checklist ranks must be objects, got {ranks!r}",
-    )
-    if len(ranks) != world_size:
-        refuse(path, number, "", f"{len(ranks)} ranks reported, the run's world has {world_size}", 1)
-    processes = {(rank.get("host"), rank.get("pid")) for rank in ranks}
-    if len(processes) != world_size:
-        refuse(path, number, "", f"{world_size} ranks ran in {len(processes)} processes", 1)
-    if config.get("device") == "cuda":
-        devices = {(rank.get("host"), rank.get("device")) for rank in ranks}
-        if len(devices) != world_size:
-            refuse(path, number, "", f"{world_size} ranks shared {len(devices)} GPUs: one process per GPU", 1)
-
-    # 2. Each rank's micro-batches and examples, counted at the model's forward.
-    sizes = expected_micro_batch_sizes(config)
-    for rank_number, rank in enumerate(ranks):
-        for key, expected, what in (
-            ("micro_batches", len(sizes), "micro-batches"),
-            ("samples", sum(sizes), "examples"),
-            ("backwards", len(sizes), "backwards"),
-        ):
-            if rank.get(key) != expected:
-                refuse(path, number, "", f"rank {rank_number} ran {rank.get(key)} {what} (expected {expected})", 2)
-
-    # 4. The loss scale seen at the logits: the window's divisor at every micro-batch, within the bound.
-    divisors = []
-    for entry in seen["loss_divisors"]:
-        check(
-            isinstance(entry, list) and len(entry) == 3 and is_int(entry[0]) and is_int(entry[1]),
-            path,
-            f"epoch row {number}: loss_divisors must be [start, stop, divisor] runs, got {entry!r}",
-        )
-        divisors += [(index, entry[2]) for index in range(entry[0], entry[1])]
-    planned = [(index, micro_step.loss_divisor) for index, micro_step in enumerate(plan)]
-    difference = first_difference(divisors, planned)
-    if difference is not None:
-        _, have, want = difference
-        where = have[0] if isinstance(have, tuple) else want[0]
-        seen_divisor = have[1] if isinstance(have, tuple) else "no backward"
-        refuse(
-            path,
-            number,
-            f", micro-batch {where}",
-            f"the gradient at the logits was the mean loss's divided by {seen_divisor}, the window's divisor is "
-            f"{want[1] if isinstance(want, tuple) else 'none'}",
-            4,
-        )
-    gradient_dtype = torch.bfloat16 if config.get("precision") == "bf16" else torch.float32
-    deviation_bound, residual_bound = loss_scale_bounds(gradient_dtype)
-    deviation, residual = seen.get("loss_scale_deviation"), seen.get("loss_scale_residual")
-    if not (is_number(deviation) and deviation <= deviation_bound):
-        refuse(path, number, "", f"the loss divisor seen at the logits is {deviation!r} off a whole number "
-               f"(bound {deviation_bound:.3g} for {config.get('precision')})", 4)  # fmt: skip
-    if not (is_number(residual) and residual <= residual_bound):
-        refuse(path, number, "", f"the gradient at the logits is not the mean cross-entropy's (relative residual "
-               f"{residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
-
-    # 5 and 7. Resets only at the windows' starts; every other backward adds onto what the last one left.
-    starts = window_starts(plan)
-    backward_starts = experiment.from_progressions(seen["backward_starts"])
-    difference = first_difference(backward_starts, list(range(len(plan))))
-    if difference is not None:
-        refuse(path, number, "", f"backward {difference[0] + 1} started at micro-batch {difference[1]}, expected "
-               f"{difference[2]}", 2)  # fmt: skip
-    fresh = experiment.from_progressions(seen["fresh_at_backward"])
-    difference = first_difference(fresh, starts)
-    if difference is not None:
-        _, have, want = difference
-        if have != "none" and (want == "none" or have < want):
-            refuse(path, number, f", micro-batch {have}", "its backward started on reset gradients inside a window "
-                   "(zero_grad or a reset before the window's synchronized micro-batch)", 7)  # fmt: skip
-        refuse(path, number, f", micro-batch {want}", "its backward added onto the previous window's gradients "
-               "(no reset after the step)", 7)  # fmt: skip
-    between = seen.get("steps_before_backward")
-    check(isinstance(between, list), path, f"epoch row {number}: steps_before_backward must be a list, got {between!r}")
-    if between:
-        refuse(path, number, f", micro-batch {between[0]}", "the optimizer stepped between its forward and its "
-               "backward", 7)  # fmt: skip
-    fresh_at_step = experiment.from_progressions(seen["fresh_at_step"])
-    if fresh_at_step:
-        refuse(path, number, f", micro-batch {fresh_at_step[0]}", "the optimizer stepped on reset gradients "
-               "(zero_grad before step)", 7)  # fmt: skip
-    altered = seen["altered_at"]
-    if altered:
-        where = experiment.from_progressions(altered)[0]
-        refuse(path, number, f", micro-batch {where}", "the gradients were not what the backward before left "
-               "(changed between backwards, or not accumulated)", 5)  # fmt: skip
-
-    # 3. The samples behind each step, summed over the ranks.
-    windows, window = [], []
-    for index, micro_step in enumerate(plan):
-        window.append(index)
-        if micro_step.step:
-            windows, window = windows + [window], []
-    expected_samples = [world_size * sum(sizes[index] for index in window) for window in windows]
-    expected_forwards = [world_size * len(window) for window in windows]
-    for key, expected, what in (
-        ("step_samples", expected_samples, "samples"),
-        ("step_micro_batches", expected_forwards, "micro-batches"),
-    ):
-        got = [value for value, count in seen[key] for _ in range(count)]
-        difference = first_difference(got, expected)
-        if difference is not None:
-            refuse(path, number, f", optimizer step {difference[0] + 1}", f"{difference[1]} {what} over all ranks "
-                   f"went into it, expected {difference[2]}", 3)  # fmt: skip
-
-    # 6. The synchronized gradient is the mean of the ranks' local (accumulated) gradients, at every step.
-    off = seen.get("first_average_off")
-    if off is not None:
-        check(isinstance(off, dict), path, f"epoch row {number}: first_average_off must be an object, got {off!r}")
-        refuse(path, number, f", optimizer step {off.get('optimizer_step')}", f"the synchronized gradient's "
-               f"projection {off.get('synced')!r} is not the mean of the ranks' local ones {off.get('mean_of_ranks')!r} "
-               f"(bound {off.get('bound')!r}): the all-reduce did not average", 6)  # fmt: skip
-    if seen["averages_checked"] != row["optimizer_steps"]:
-        refuse(path, number, "", f"{seen['averages_checked']} averages checked for {row['optimizer_steps']} steps", 6)
-
-    # 8. The optimizer's own count of its updates.
-    if seen["optimizer_state_steps"] != row["optimizer_steps"]:
-        refuse(path, number, "", f"the optimizer's state counted {seen['optimizer_state_steps']} updates, its step "
-               f"hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
-
-
-def check_documented(path, config):
-    """The strict audit: the run is the document's experiment, key by key (the first that differs is named);
-    platform choices are printed by verify.py, not compared."""
-    for key, value in experiment.DOCUMENTED.items():
-        if config.get(key) != value:
-            raise AuditError(
-                f"{path}: config {key}={config.get(key)!r} is not the documented experiment's {value!r}: run the "
-                f"documented experiment, or audit these runs against their own configuration with --expect-from-config"
-            )
-
-
-PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_checkpointing", "nodes")
-
-
-def print_checklist(runs):
-    """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
-    print()
-    print("The document's checklist, observed (lab/checklist.py; docs/audit.md):")
-    print("| # | item (document) | in English | " + " | ".join(runs) + " | seen by |")
-    print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
-    for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):
-        print(f"| {number} | {text} | {gloss} | " + " | ".join("✓" for _ in runs) + f" | {witness} |")

@@ -10,11 +10,10 @@ import math
 
 from PIL import Image
 
-from lab import checklist, experiment, resume
+from lab import certify, experiment, resume
 from lab.precision import NUMERICS
 from lab.records import (
     HISTORY_FILE,
-    REPORT_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,
     AuditError,
@@ -157,7 +156,7 @@ def check_history(path, mode, record, expected_config, sizes):
         check_shards(path, number, row, record["config"])
         check_counts(path, number, row, expected, mode)
         observed = {**record["config"], **expected_config}
-        checklist.check_epoch(path, number, row, observed, mode, plan)
+        certify.check_epoch(path, number, row, observed, mode, plan)
         check_memory_fields(path, number, row, record["config"])
     return history
 
@@ -239,7 +238,7 @@ def check_steps(path, number, row):
         path,
         f"epoch {number}: {row['optimizer_steps'] - changed} of {row['optimizer_steps']} optimizer steps changed no "
         f"parameter: the optimizer did not learn from its gradients (were they lost before the step?)"
-        f"{checklist.item(8)}",
+        f"{certify.item(8)}",
     )
 
 
@@ -259,7 +258,7 @@ def check_shards(path, number, row, config):
             f"{path}: epoch {number}: the {world_size} ranks read {shards['samples_per_rank']} samples each, "
             f"{shards['distinct_samples']} distinct of the {split} in the train split (expected "
             f"{expected['samples_per_rank']} each, all {split} distinct): the ranks' shards overlap or miss samples "
-            f"(a sampler without num_replicas and rank, or its set_epoch on one rank only?){checklist.item(2)}"
+            f"(a sampler without num_replicas and rank, or its set_epoch on one rank only?){certify.item(2)}"
         )
 
 
@@ -271,7 +270,7 @@ def check_counts(path, number, row, expected, mode):
                 advice = "; the forward ran outside no_sync() or the run used --mode every"
             raise AuditError(
                 f"{path}: expected {value} {COUNT_LABELS[key]}, got {row[key]} (epoch {number}{advice})"
-                f"{checklist.item(COUNT_ITEMS[key]) if key in COUNT_ITEMS else ''}"
+                f"{certify.item(COUNT_ITEMS[key]) if key in COUNT_ITEMS else ''}"
             )
 
 
@@ -320,7 +319,7 @@ def check_positions(path, number, row, plan, mode):
             broken = 7
         else:  # a sync where none was due breaks the intermediate micro-batches' item, a missing one the last's
             broken = 5 if due == "none" or (happened != "none" and happened < due) else 6
-        raise AuditError(f"{path}: epoch {number}: {message}{checklist.item(broken)}")
+        raise AuditError(f"{path}: epoch {number}: {message}{certify.item(broken)}")
 
 
 def check_report(path, mode, record):
@@ -414,26 +413,3 @@ def check_checksums(folder, record):
             path,
             f"changed after the run finished (size or SHA-256 differs from {RUN_RECORD_FILE}); rerun train.py",
         )
-
-
-def check_real_data(folder, record):
-    """The strict audit: the documented experiment ran on real data, not tools/synthetic_data.py's."""
-    check(
-        record["config"].get("data_synthetic") is False,
-        folder / RUN_RECORD_FILE,
-        f"the run trained on synthetic data (tools/synthetic_data.py wrote {record.get('data_dir')}), not CIFAR-10: "
-        f"run the documented experiment on CIFAR-10, or audit these runs with --expect-from-config",
-    )
-
-
-def check_learned(folder, report):
-    """The strict audit: the documented run's model learned (test accuracy at least
-    experiment.DOCUMENTED_ACCURACY_FLOOR); every count can hold for a run whose gradients never reached its
-    weights."""
-    floor = experiment.DOCUMENTED_ACCURACY_FLOOR
-    check(
-        report["model_test_accuracy"] >= floor,
-        folder / REPORT_FILE,
-        f"test accuracy {report['model_test_accuracy']:.4f} is below {floor} (the majority baseline is "
-        f"{report['baseline_accuracy']:.4f}): the model did not learn",
-    )

@@ -21,7 +21,6 @@ from PIL import Image, PngImagePlugin
 from lab import pictures
 from lab.cli import LabError
 from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
-from lab.loaders import AUGMENTATION
 from model import CLASSES
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
@@ -209,7 +208,6 @@ def run_config(args, place, setup):
         "train_size": sizes["train"],
         "validation_size": sizes["validation"],
         "test_size": sizes["test"],
-        "augmentation": AUGMENTATION,
         "data_layout": setup.source.layout,
         "loader": args.loader,
         "data_fingerprint": setup.source.fingerprint,

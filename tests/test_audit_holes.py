@@ -24,7 +24,7 @@ from conftest import (
     train,
     verify,
 )
-from lab import audit, checks, experiment, launch, records, witness
+from lab import audit, certify, experiment, launch, records, witness
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -177,9 +177,9 @@ def documented_record(synthetic):
 
 
 def test_the_strict_audit_refuses_synthetic_data(tmp_path):
-    checks.check_real_data(tmp_path, documented_record(False))
+    certify.check_real_data(tmp_path, documented_record(False))
     with pytest.raises(records.AuditError) as caught:
-        checks.check_real_data(tmp_path, documented_record(True))
+        certify.check_real_data(tmp_path, documented_record(True))
     assert str(caught.value) == (
         f"{tmp_path}/run.json: the run trained on synthetic data (tools/synthetic_data.py wrote data/synthetic), not "
         "CIFAR-10: run the documented experiment on CIFAR-10, or audit these runs with --expect-from-config"
@@ -189,12 +189,12 @@ def test_the_strict_audit_refuses_synthetic_data(tmp_path):
 def test_the_strict_audit_refuses_a_model_that_did_not_learn(tmp_path):
     report = {"model_test_accuracy": 0.1003, "baseline_accuracy": 0.1}
     with pytest.raises(records.AuditError) as caught:
-        checks.check_learned(tmp_path, report)
+        certify.check_learned(tmp_path, report)
     assert str(caught.value) == (
         f"{tmp_path}/report.json: test accuracy 0.1003 is below 0.5 (the majority baseline is 0.1000): the model "
         "did not learn"
     )
-    checks.check_learned(tmp_path, {**report, "model_test_accuracy": 0.7063})
+    certify.check_learned(tmp_path, {**report, "model_test_accuracy": 0.7063})
 
 
 def test_runs_on_synthetic_data_say_so(lab_runs):

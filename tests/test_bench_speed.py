@@ -37,7 +37,8 @@ def test_the_lab_runs_of_both_loaders_are_real_one_epoch_runs(bench):
 def test_the_table_is_floor_over_measured(bench):
     result, record, _ = bench
     floor = record["floor_seconds_per_micro_batch"]
-    assert set(floor) == {"train", "evaluate", "document loop", "lab loop"} and min(floor.values()) > 0
+    assert set(floor) == {"train", "evaluate", "document loop", "lab loop", "lab loop without the checklist"}
+    assert min(floor.values()) > 0 and 0 < record["checklist_hook_seconds_per_micro_batch"] < floor["lab loop"]
     rows = {row["part"]: row for row in record["rows"]}
     tensor_training = rows["training, no_sync, tensor loader"]
     assert tensor_training["floor_seconds"] == floor["train"]

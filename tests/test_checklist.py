@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
-from lab import checklist, experiment, records
+from lab import certify, checklist, experiment, records
 from model import CifarCNN
 
 # Each bug, the checklist item it breaks, and the modes its two injections run in (the loop's first, then
@@ -64,7 +64,7 @@ def test_each_bug_is_refused_naming_its_checklist_item(bug, way, injected_runs, 
     shutil.copytree(lab_runs[0] / other(mode), artifacts / other(mode))
     line = refusal(verify(artifacts))
     assert f"{artifacts}/{mode}/history.json: " in line
-    assert line.endswith(checklist.item(item)), line
+    assert line.endswith(certify.item(item)), line
 
 
 @pytest.mark.parametrize("way", ["loop", "beneath"])
@@ -77,7 +77,7 @@ def test_a_compression_label_that_lies_is_refused_by_the_bytes_handed_to_the_col
     rows = read_json(artifacts / "every" / "history.json")
     sent = experiment.comm_sizes(CifarCNN()).gradient_bytes * rows[0]["gradient_syncs"]
     assert f"expected {sent // 2} all-reduced bytes, got {sent} (epoch 1)" in line
-    assert line.endswith(checklist.item(9))
+    assert line.endswith(certify.item(9))
 
 
 def test_the_witnesses_saw_the_correct_runs_as_they_are(lab_runs):
@@ -125,10 +125,10 @@ def test_strict_verify_holds_every_documented_key(tmp_path):
     """Another seed, or a 100-image test set, is not the documented experiment even when every count would
     match: the first differing key is named."""
     path = tmp_path / "run.json"
-    checklist.check_documented(path, dict(experiment.DOCUMENTED))
+    certify.check_documented(path, dict(experiment.DOCUMENTED))
     for key, value in (("seed", 48), ("test_size", 100), ("learning_rate", 1e-3), ("augmentation", "none")):
         with pytest.raises(records.AuditError) as caught:
-            checklist.check_documented(path, {**experiment.DOCUMENTED, key: value})
+            certify.check_documented(path, {**experiment.DOCUMENTED, key: value})
         assert str(caught.value) == (
             f"{path}: config {key}={value!r} is not the documented experiment's {experiment.DOCUMENTED[key]!r}: run "
             f"the documented experiment, or audit these runs against their own configuration with --expect-from-config"

@@ -14,7 +14,8 @@ from lab import audit, cli, experiment
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
-# train_epoch adds one small all-reduce per optimizer step: the ranks' fingerprints (audit.ranks_agree).
+# train_epoch adds two small all-reduces per optimizer step: the ranks' fingerprints (audit.ranks_agree) and the
+# checklist's projections of the ranks' local gradients (lab.checklist), counted as witness_allreduces.
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
     """With every lever: the hook's calls and DDP's own used-parameter-map all-reduces (searching for unused
     parameters: one per sync; a static graph: one, at the first) are the profiler's all-reduces, less the lab's."""
     for row in rows:
-        lab_allreduces = row["optimizer_steps"] + EVALUATION_ALLREDUCES
+        assert row["audit"]["witness_allreduces"] == row["optimizer_steps"], row
+        lab_allreduces = row["optimizer_steps"] + row["audit"]["witness_allreduces"] + EVALUATION_ALLREDUCES
         ddp_allreduces = row["audit"]["sync_bucket_calls"] + row["audit"]["used_map_allreduces"]
         assert ddp_allreduces == row["profiler_allreduces"] - lab_allreduces, row
     audits = {(row["setting"], row["mode"], row["epoch"]): row["audit"] for row in rows}
