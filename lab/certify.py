@@ -8,8 +8,47 @@ import math
 import torch
 
 from lab import experiment
-from lab.checklist import ITEMS, WITNESSES, loss_scale_bounds
+from lab.checklist import loss_scale_bounds
 from lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
+
+# The document's checklist (its last section), in its order: the Romanian text and an English gloss.
+ITEMS = (
+    ("Jobul rulează cu exact două procese și câte un proces pe GPU.", "two processes, one per device"),
+    (
+        "Fiecare rang primește 20.000 de exemple și 400 de micro-batch-uri pe epocă.",
+        "each rank: 20,000 examples, 400 micro-batches per epoch",
+    ),
+    ("Batch-ul efectiv este 400 de imagini.", "the effective batch is 400 images"),
+    ("Pierderea fiecărui micro-batch este împărțită la patru înainte de backward().", "each loss divided by 4"),
+    (
+        "Forward-ul și backward-ul intermediar sunt ambele în contextul no_sync().",
+        "intermediate forward and backward inside no_sync()",
+    ),
+    ("Ultimul micro-batch al ferestrei rulează în afara contextului.", "the window's last micro-batch outside it"),
+    (
+        "optimizer.step() și zero_grad() apar numai după micro-batch-ul sincronizat.",
+        "step() and zero_grad() only after the synchronized micro-batch",
+    ),
+    ("Fiecare epocă are 100 de pași ai optimizatorului.", "100 optimizer steps per epoch"),
+    ("Modul every raportează 400 de sincronizări, iar no_sync raportează 100.", "every 400 syncs, no_sync 100"),
+    (
+        "Baseline-ul, acuratețea pe test și confuziile provin din report.json.",
+        "baseline, test accuracy and confusions from report.json",
+    ),
+)
+# What shows each item in verify.py's table (docs/audit.md says more).
+WITNESSES = (
+    "process group size; every rank's host, device and pid",
+    "training forwards and their samples, per rank; the sampler's shards",
+    "samples through the forward per optimizer step, summed over ranks",
+    "gradient at the logits vs softmax - one-hot, per micro-batch",
+    "hook calls per backward; each backward added onto the last",
+    "sync positions; synced gradient = mean of the ranks' local gradients",
+    "optimizer step hooks; gradient resets seen at each backward and step",
+    "optimizer step hooks and its state's step counter",
+    "hook calls; bytes handed to the collective",
+    "report.json against its own confusion matrix",
+)
 
 
 def item(number):

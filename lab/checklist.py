@@ -32,45 +32,6 @@ from torch.profiler import record_function
 
 from lab import experiment
 
-# The document's checklist (its last section), in its order: the Romanian text and an English gloss.
-ITEMS = (
-    ("Jobul rulează cu exact două procese și câte un proces pe GPU.", "two processes, one per device"),
-    (
-        "Fiecare rang primește 20.000 de exemple și 400 de micro-batch-uri pe epocă.",
-        "each rank: 20,000 examples, 400 micro-batches per epoch",
-    ),
-    ("Batch-ul efectiv este 400 de imagini.", "the effective batch is 400 images"),
-    ("Pierderea fiecărui micro-batch este împărțită la patru înainte de backward().", "each loss divided by 4"),
-    (
-        "Forward-ul și backward-ul intermediar sunt ambele în contextul no_sync().",
-        "intermediate forward and backward inside no_sync()",
-    ),
-    ("Ultimul micro-batch al ferestrei rulează în afara contextului.", "the window's last micro-batch outside it"),
-    (
-        "optimizer.step() și zero_grad() apar numai după micro-batch-ul sincronizat.",
-        "step() and zero_grad() only after the synchronized micro-batch",
-    ),
-    ("Fiecare epocă are 100 de pași ai optimizatorului.", "100 optimizer steps per epoch"),
-    ("Modul every raportează 400 de sincronizări, iar no_sync raportează 100.", "every 400 syncs, no_sync 100"),
-    (
-        "Baseline-ul, acuratețea pe test și confuziile provin din report.json.",
-        "baseline, test accuracy and confusions from report.json",
-    ),
-)
-# What shows each item in verify.py's table (docs/audit.md says more).
-WITNESSES = (
-    "process group size; every rank's host, device and pid",
-    "training forwards and their samples, per rank; the sampler's shards",
-    "samples through the forward per optimizer step, summed over ranks",
-    "gradient at the logits vs softmax - one-hot, per micro-batch",
-    "hook calls per backward; each backward added onto the last",
-    "sync positions; synced gradient = mean of the ranks' local gradients",
-    "optimizer step hooks; gradient resets seen at each backward and step",
-    "optimizer step hooks and its state's step counter",
-    "hook calls; bytes handed to the collective",
-    "report.json against its own confusion matrix",
-)
-
 AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
 PROJECTION_SEED = 47_000_047
 # Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
@@ -78,6 +39,8 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 # float32 kernels recomputing the same softmax (torch's log_softmax backward against this witness's float64)
 # differ by a few float32 ulps per element; 2**-16 bounds it with room (measured: below 2**-21, docs/audit.md).
 FLOAT32_KERNEL_SLACK = 2.0**-16
+# A Gaussian projection of an error vector exceeds 12 of its standard deviations with probability 4e-33.
+SIGMAS = 12
 
 
 def half_spacing_near_zero(dtype):
@@ -164,15 +127,15 @@ class Witness:
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         self.weights = projection_weights(self.parameters, device)
         self.abs_weights = [w.abs() for w in self.weights]
-        self.weight_l1 = sum(w.sum().item() for w in self.abs_weights)
         self.elements = sum(p.numel() for p in self.parameters)
         self.dot_slack = self.elements * UNIT_ROUNDOFF[torch.float64]  # a float64 sum of n products, relative
         self.trace = None
         self.awaiting_loss = False
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, F before, T before, syncs before)
-        self.contribution = torch.zeros(2, dtype=torch.float64, device=device)  # [F, T] of its own gradients
-        self.window = torch.zeros(5, dtype=torch.float64, device=device)  # [F local, T, samples, forwards, syncs]
+        self.contribution = torch.zeros(3, dtype=torch.float64, device=device)  # [F, T, Q] of its own gradients
+        # The window's syncs, summed: [F local, T local, |local|_2, samples, forwards, syncs].
+        self.window = torch.zeros(6, dtype=torch.float64, device=device)
         self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
         self.window_syncs = 0
         self.wire_dtype = torch.float32
@@ -229,8 +192,8 @@ class Witness:
         self.trace.micro_batches += 1
         self.trace.samples += samples
         self.awaiting_loss = True  # the criterion's next call is on this forward's output
-        self.window[2] += samples
-        self.window[3] += 1
+        self.window[3] += samples
+        self.window[4] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
@@ -253,7 +216,7 @@ class Witness:
         position = torch.full((), float(index), dtype=torch.float64, device=self.device)  # no host copy
         self.trace.loss_scales.append(torch.stack([position, divisor, residual]))
         self.contribution.zero_()
-        self.pending = (index, before[0], before[1], self.comm_audit.gradient_syncs, gradient.dtype)
+        self.pending = (index, before, self.comm_audit.gradient_syncs)
 
     def on_parameter_gradient(self, weight, abs_weight, gradient):
         """A parameter's gradient from this backward alone, before it is accumulated or synchronized."""
@@ -262,6 +225,7 @@ class Witness:
         local = gradient.double()
         self.contribution[0] += (local * weight).sum()
         self.contribution[1] += (local.abs() * abs_weight).sum()
+        self.contribution[2] += local.square().sum()
 
     def on_step_begin(self, optimizer, args, kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
@@ -278,14 +242,17 @@ class Witness:
     # -- the gradients' state
 
     def projections(self):
-        """[F, T] of the gradients held now (T = sum |w| |g|: zero exactly when every gradient is), and whether
-        none is held at all."""
+        """[F, T, Q] of the gradients held now (T = sum |w| |g|: zero exactly when every gradient is; Q = sum g^2),
+        and whether none is held at all."""
         held = [
             (p.grad, w, a) for p, w, a in zip(self.parameters, self.weights, self.abs_weights) if p.grad is not None
         ]
         if not held:
-            return torch.zeros(2, dtype=torch.float64, device=self.device), True
-        values = [torch.stack([(g.double() * w).sum(), (g.double().abs() * a).sum()]) for g, w, a in held]
+            return torch.zeros(3, dtype=torch.float64, device=self.device), True
+        values = [
+            torch.stack([(g64 * w).sum(), (g64.abs() * a).sum(), g64.square().sum()])
+            for g64, w, a in ((g.double(), w, a) for g, w, a in held)
+        ]
         return torch.stack(values).sum(0), False
 
     def close_backward(self):
@@ -293,14 +260,15 @@ class Witness:
         bucket), and what must the gradients hold now?"""
         if self.pending is None:
             return
-        index, before, before_abs, syncs_before, _ = self.pending
+        index, before, syncs_before = self.pending
         self.pending = None
-        local = torch.stack([before + self.contribution[0], before_abs + self.contribution[1]])
+        # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum.
+        norm = before[2].sqrt() + self.contribution[2].sqrt()
+        local = torch.stack([before[0] + self.contribution[0], before[1] + self.contribution[1], norm])
         if self.comm_audit.gradient_syncs != syncs_before:
             self.epoch_trace.sync_positions.append(index)
-            self.window[0] += local[0]
-            self.window[1] += local[1]
-            self.window[4] += 1
+            self.window[:3] += local
+            self.window[5] += 1
             self.window_syncs += 1
             self.wire_dtype = self.comm_audit.wire_dtype or torch.float32
             self.expectation = ("synced",)
@@ -310,7 +278,7 @@ class Witness:
 
     def observe(self, point, index):
         """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
-        it), or not what the last backward left (altered). Returns [F, T] now."""
+        it), or not what the last backward left (altered). Returns [F, T, Q] now."""
         self.close_backward()
         now, none_held = self.projections()
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
@@ -336,15 +304,19 @@ class Witness:
         with record_function(AVERAGE_WITNESS_LABEL):
             dist.all_reduce(summed, group=self.comm_audit.group)
         self.comm_audit.witness_allreduces += 1
-        # The hook divides by the world size and sums, on the wire's dtype: about world_size + 2 roundings of
-        # the sum of magnitudes per element; a value flushed to zero on the wire loses at most half a gap.
-        unit = UNIT_ROUNDOFF[self.wire_dtype]
+        # Per element the hook's arithmetic (cast, divide, sum on the wire's dtype) errs by at most world_size + 2
+        # roundings of the mean of magnitudes, plus half a gap where a value is flushed to zero: an error vector
+        # e with |e| <= (W + 2) u sum_r |L_r| / W + (W + 1) h sqrt(n). Its projection on the fixed Gaussian
+        # weights, drawn independently of the run, is N(0, |e|^2): SIGMAS standard deviations bound it
+        # (docs/audit.md). The float64 sums' own rounding is bounded by T.
+        unit, gap = UNIT_ROUNDOFF[self.wire_dtype], half_spacing_near_zero(self.wire_dtype)
         bound = (
-            summed[1] * ((world_size + 2) * unit + 2 * self.dot_slack) / world_size
-            + summed[4] * (world_size + 1) * half_spacing_near_zero(self.wire_dtype) * self.weight_l1
+            SIGMAS * ((world_size + 2) * unit * summed[2] / world_size)
+            + SIGMAS * (world_size + 1) * gap * math.sqrt(self.elements) * summed[5]
+            + 2 * self.dot_slack * summed[1] / world_size
         )
         mean = summed[0] / world_size
-        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[2], summed[3]]))
+        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[3], summed[4]]))
         self.window.zero_()
         self.synced_observed.zero_()
         self.window_syncs = 0

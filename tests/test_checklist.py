@@ -142,7 +142,7 @@ def test_verify_prints_the_checklist_with_its_witnesses(lab_runs):
     rows = [line for line in lines if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
     table = [line for line in rows if " ✓ | ✓ | " in line]
     assert [int(line.split("|")[1]) for line in table] == list(range(1, 11))
-    for (text, gloss), line in zip(checklist.ITEMS, table):
+    for (text, gloss), line in zip(certify.ITEMS, table):
         assert text in line and gloss in line
     assert "platform (printed, not compared): device cpu, backend gloo, precision" in result.stdout
 

@@ -70,6 +70,7 @@ def test_documented_experiment_counts():
             "broadcast_bytes": every_buffer_syncs * BUFFER_BYTES,
             "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
             "used_map_allreduces": 0,
+            "witness_allreduces": 100,
         }
         assert no_sync == {
             "optimizer_steps": 100,
@@ -80,6 +81,7 @@ def test_documented_experiment_counts():
             "broadcast_bytes": no_sync_buffer_syncs * BUFFER_BYTES,
             "rebuild_broadcast_collectives": 2 if epoch == 1 else 0,
             "used_map_allreduces": 0,
+            "witness_allreduces": 100,
         }
 
 
