@@ -86,7 +86,7 @@ def check_epoch(path, number, row, config, mode, plan):
     configuration implies; a refusal names the item, the epoch, the micro-batch and what was seen."""
     seen = row.get("checklist")
     fields = {
-        "ranks": list,
+        "ranks": dict,
         "backward_starts": list,
         "fresh_at_backward": list,
         "fresh_at_step": list,
@@ -106,26 +106,26 @@ def check_epoch(path, number, row, config, mode, plan):
     )
     world_size = config["world_size"]
 
-    # 1. The processes: as many ranks as the run's world, each its own process, on CUDA each its own device.
+    # 1. The processes: as many as the run's world, each rank its own, on CUDA each its own GPU.
     ranks = seen["ranks"]
     check(
-        all(isinstance(rank, dict) for rank in ranks),
+        isinstance(ranks, dict)
+        and all(is_int(ranks.get(key)) for key in ("processes", "devices"))
+        and isinstance(ranks.get("per_rank"), list)
+        and all(isinstance(rank, dict) for rank in ranks["per_rank"]),
         path,
-        f"epoch row {number}: checklist ranks must be objects, got {ranks!r}",
+        f"epoch row {number}: checklist ranks must hold processes, devices and per_rank counts, got {ranks!r}",
     )
-    if len(ranks) != world_size:
-        refuse(path, number, "", f"{len(ranks)} ranks reported, the run's world has {world_size}", 1)
-    processes = {(rank.get("host"), rank.get("pid")) for rank in ranks}
-    if len(processes) != world_size:
-        refuse(path, number, "", f"{world_size} ranks ran in {len(processes)} processes", 1)
-    if config.get("device") == "cuda":
-        devices = {(rank.get("host"), rank.get("device")) for rank in ranks}
-        if len(devices) != world_size:
-            refuse(path, number, "", f"{world_size} ranks shared {len(devices)} GPUs: one process per GPU", 1)
+    if len(ranks["per_rank"]) != world_size:
+        refuse(path, number, "", f"{len(ranks['per_rank'])} ranks reported, the run's world has {world_size}", 1)
+    if ranks["processes"] != world_size:
+        refuse(path, number, "", f"{world_size} ranks ran in {ranks['processes']} processes", 1)
+    if ranks.get("device_type") == "cuda" and ranks["devices"] != world_size:
+        refuse(path, number, "", f"{world_size} ranks shared {ranks['devices']} GPUs: one process per GPU", 1)
 
     # 2. Each rank's micro-batches and examples, counted at the model's forward.
     sizes = expected_micro_batch_sizes(config)
-    for rank_number, rank in enumerate(ranks):
+    for rank_number, rank in enumerate(ranks["per_rank"]):
         for key, expected, what in (
             ("micro_batches", len(sizes), "micro-batches"),
             ("samples", sum(sizes), "examples"),

@@ -167,16 +167,17 @@ class Witness:
             self.observe(EPOCH_END, self.trace.micro_batches - 1)
             self.reduce_window()
         trace = self.trace
-        mine = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "micro_batches": trace.micro_batches,
-            "samples": trace.samples,
-            "backwards": trace.backwards,
+        counts = {"micro_batches": trace.micro_batches, "samples": trace.samples, "backwards": trace.backwards}
+        mine = (socket.gethostname(), os.getpid(), str(self.device), counts)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)  # the default group (gloo): host objects
+        # Distinct processes and devices are counted, not named: the row stays the same when a run is repeated.
+        ranks = {
+            "processes": len({(host, pid) for host, pid, _, _ in gathered}),
+            "devices": len({(host, device) for host, _, device, _ in gathered}),
+            "device_type": self.device.type,
+            "per_rank": [counts for _, _, _, counts in gathered],
         }
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)  # the default group (gloo): host objects
         return summarize(trace, ranks, self.state_steps() - trace.state_steps_before)
 
     # -- the events

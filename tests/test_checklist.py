@@ -88,8 +88,12 @@ def test_the_witnesses_saw_the_correct_runs_as_they_are(lab_runs):
     for mode in ("every", "no_sync"):
         for row in read_json(artifacts / mode / "history.json"):
             seen = row["checklist"]
-            assert [rank["micro_batches"] for rank in seen["ranks"]] == [20, 20]
-            assert [rank["samples"] for rank in seen["ranks"]] == [80, 80]
+            assert seen["ranks"] == {
+                "processes": 2,
+                "devices": 1,  # both ranks on this machine's CPU: the one-GPU-each rule is CUDA's
+                "device_type": "cpu",
+                "per_rank": [{"micro_batches": 20, "samples": 80, "backwards": 20}] * 2,
+            }
             assert seen["backward_starts"] == [[0, 20, 1]]
             assert seen["fresh_at_backward"] == [[0, 17, 4]]
             assert (seen["fresh_at_step"], seen["altered_at"], seen["steps_before_backward"]) == ([], [], [])

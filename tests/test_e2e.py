@@ -142,11 +142,12 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     assert any(
         line.startswith("| every / no_sync | 4.00x | 4.00x | 4.00x | 3.73x | 3.73x | 1.00x |") for line in lines
     ), lines
-    # The profiler's witness, per rank: every's 2 windows 8 gradient all-reduces + 2 rank-agreement
-    # all-reduces and 16 buffer broadcasts (2 dtypes x 8 synchronized forwards); no_sync's 2 + 2 and 4.
+    # The profiler's witness, per rank: every's 2 windows 8 gradient all-reduces + 2 rank-agreement and 2
+    # average-witness all-reduces, and 16 buffer broadcasts (2 dtypes x 8 synchronized forwards); no_sync's
+    # 2 + 2 x 2 and 4.
     for rank in (0, 1):
-        assert any(line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in lines), lines
-        assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in lines), lines
+        assert any(line.startswith(f"| every | 8-15 | {rank} | 12 | 8 + 2 x 2 | 16 | 16 | ") for line in lines), lines
+        assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 6 | 2 + 2 x 2 | 4 | 4 | ") for line in lines), lines
     assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
 
 

@@ -127,10 +127,12 @@ def test_verify_passes_on_a_two_node_pair(two_node_runs):
     # The profiler's witness of both nodes' ranks, gathered by rank 0 on node 0.
     for rank in (0, 1):
         assert any(
-            line.startswith(f"| every | 8-15 | {rank} | 10 | 8 + 2 | 16 | 16 | ") for line in result.stdout.splitlines()
+            line.startswith(f"| every | 8-15 | {rank} | 12 | 8 + 2 x 2 | 16 | 16 | ")
+            for line in result.stdout.splitlines()
         )
         assert any(
-            line.startswith(f"| no_sync | 8-15 | {rank} | 4 | 2 + 2 | 4 | 4 | ") for line in result.stdout.splitlines()
+            line.startswith(f"| no_sync | 8-15 | {rank} | 6 | 2 + 2 x 2 | 4 | 4 | ")
+            for line in result.stdout.splitlines()
         )
 
 

@@ -106,6 +106,7 @@ def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
             assert lane["counts"] == {
                 "gradient all-reduce": gradient_all_reduces,
                 "rank-agreement all-reduce": 1,
+                "average-witness all-reduce": 1,
                 "broadcast": 2 * gradient_all_reduces,
             }
             assert [c["index"] for c in lane["compute"]] == [8, 9, 10, 11]

@@ -10,12 +10,14 @@ from conftest import assert_one_line_error, assert_train_error, copy_runs, read_
 from lab import records, tables
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
-# each window ends in one optimizer step and its rank-agreement all-reduce; DDP broadcasts the buffers (2
-# dtypes) before each forward that follows a synchronized one.
+# each window ends in one optimizer step, with the checklist's average-witness all-reduce (in its pre-hook) and
+# the rank-agreement all-reduce; DDP broadcasts the buffers (2 dtypes) before each forward that follows a
+# synchronized one.
 EXPECTED_CALLS = {
-    "every": {"c10d::allreduce_": 8 + 2, "c10d::broadcast_": 2 * 8},
-    "no_sync": {"c10d::allreduce_": 2 + 2, "c10d::broadcast_": 2 * 2},
+    "every": {"c10d::allreduce_": 8 + 2 + 2, "c10d::broadcast_": 2 * 8},
+    "no_sync": {"c10d::allreduce_": 2 + 2 + 2, "c10d::broadcast_": 2 * 2},
 }
+LAB_ALLREDUCES = 2 + 2  # in the 2 profiled windows: one rank-agreement and one average-witness each
 
 
 @pytest.fixture
@@ -33,16 +35,18 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
             assert summary["calls"] == summary["executions"] == calls, summary
             assert [span[0] for span in summary["micro_batches"]] == list(range(8, 16))
             kinds = [kind for kind, _, _ in summary["collectives"]]
-            assert kinds.count("gradient all-reduce") == calls["c10d::allreduce_"] - 2
-            assert (
-                kinds.count("rank-agreement all-reduce") == 2 and kinds.count("broadcast") == calls["c10d::broadcast_"]
-            )
-            # Each rank-agreement all-reduce ends its window: it starts after the window's last gradient sync.
-            agreements = [start for kind, start, _ in summary["collectives"] if kind == "rank-agreement all-reduce"]
+            assert kinds.count("gradient all-reduce") == calls["c10d::allreduce_"] - LAB_ALLREDUCES
+            assert kinds.count("rank-agreement all-reduce") == kinds.count("average-witness all-reduce") == 2
+            assert kinds.count("broadcast") == calls["c10d::broadcast_"]
+            # Each window ends in its step: the average witness (the step's pre-hook), then the ranks' agreement,
+            # both after the window's last gradient sync and inside its last micro-batch.
             last_micro_batches = [span for span in summary["micro_batches"] if span[0] in (11, 15)]
-            for start, (_, begin, end) in zip(agreements, last_micro_batches):
-                assert begin < start < end
-            assert summary["audit"]["gradient_syncs"] == calls["c10d::allreduce_"] - 2
+            witnesses = [start for kind, start, _ in summary["collectives"] if kind == "average-witness all-reduce"]
+            agreements = [start for kind, start, _ in summary["collectives"] if kind == "rank-agreement all-reduce"]
+            for witness, agreement, (_, begin, end) in zip(witnesses, agreements, last_micro_batches):
+                assert begin < witness < agreement < end
+            assert summary["audit"]["gradient_syncs"] == calls["c10d::allreduce_"] - LAB_ALLREDUCES
+            assert summary["optimizer_steps"] == 2  # the profiler's own Optimizer.step ranges
             assert (
                 0
                 < summary["compute_seconds_per_micro_batch"]
@@ -86,7 +90,8 @@ def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
     assert_one_line_error(
         audit(runs),
         f"{runs}/no_sync/profile.json: rank 1: the profiler saw 5 c10d::allreduce_ calls in epoch 1, micro-batches "
-        "8-15, the audit counted 2 hook calls + 0 used-parameter-map all-reduces + 2 rank-agreement all-reduces = 4: the audit and its witness disagree",
+        "8-15, the audit counted 2 hook calls + 0 used-parameter-map all-reduces + 2 rank-agreement all-reduces + 2 "
+        "average-witness all-reduces = 6: the audit and its witness disagree",
         code=1,
     )
 
