@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from lab import audit, checklist, data, experiment, launch, loaders, records, resume
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
+from lab.loaders import AUGMENTATION
 from lab.precision import PRECISIONS
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
@@ -108,8 +109,7 @@ def counting_allreduce_hook(comm_audit, bucket):
         else:
             tensor = bucket.buffer().div_(comm_audit.world_size)
             future = dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future()
-    comm_audit.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
-    comm_audit.wire_dtype = handed[-1][0] if handed else None
+    comm_audit.count_handed(handed)
     return future.then(finished)
 
 
@@ -259,8 +259,8 @@ def run(args, place):
     ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
-    config.update(learning_rate=optimizer.defaults["lr"], weight_decay=optimizer.defaults["weight_decay"])
-    config["augmentation"] = loaders.AUGMENTATION  # with the optimizer's: what strict verify holds to the document's
+    made_with = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
+    config.update(learning_rate=made_with["lr"], weight_decay=made_with["weight_decay"], augmentation=AUGMENTATION)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(setup.precision.autocast, device.type)
 

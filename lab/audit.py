@@ -108,6 +108,11 @@ class CommAudit:
         else:
             self.used_map_allreduces += self.find_unused_parameters
 
+    def count_handed(self, handed):
+        """The (dtype, element count) of each tensor a hook call handed to the collective (lab.checklist's tap)."""
+        self.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
+        self.wire_dtype = handed[-1][0] if handed else None
+
     def totals(self):
         totals = {name: getattr(self, name) for name in COUNTS}
         totals["comm_seconds"] = self.clock.total()

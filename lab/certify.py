@@ -81,58 +81,67 @@ def first_difference(seen, expected):
     return None
 
 
+RANK_FIELDS = {
+    "backward_starts": list,
+    "fresh_at_backward": list,
+    "fresh_at_step": list,
+    "altered_at": list,
+    "loss_divisors": list,
+    "loss_short_of_samples": list,
+    "step_samples": list,
+    "step_micro_batches": list,
+    "steps_before_backward": list,
+}
+RANK_COUNTS = ("micro_batches", "samples", "backwards", "averages_checked", "optimizer_state_steps")
+
+
 def check_epoch(path, number, row, config, mode, plan):
-    """Every checklist item of one epoch row as the witnesses saw it (lab/checklist.py), against what the run's
-    configuration implies; a refusal names the item, the epoch, the micro-batch and what was seen."""
+    """Every checklist item of one epoch row as every rank's witnesses saw it (lab/checklist.py), against what
+    the run's configuration implies; a refusal names the item, the epoch, the rank, the micro-batch or step,
+    and what was seen."""
     seen = row.get("checklist")
-    fields = {
-        "ranks": dict,
-        "backward_starts": list,
-        "fresh_at_backward": list,
-        "fresh_at_step": list,
-        "altered_at": list,
-        "loss_divisors": list,
-        "step_samples": list,
-        "step_micro_batches": list,
-    }
     check(
         isinstance(seen, dict)
-        and all(isinstance(seen.get(name), kind) for name, kind in fields.items())
-        and is_int(seen.get("averages_checked"))
-        and is_int(seen.get("optimizer_state_steps")),
+        and all(is_int(seen.get(key)) for key in ("processes", "devices"))
+        and isinstance(seen.get("ranks"), list)
+        and all(
+            isinstance(rank, dict)
+            and all(isinstance(rank.get(name), kind) for name, kind in RANK_FIELDS.items())
+            and all(is_int(rank.get(name)) for name in RANK_COUNTS)
+            for rank in seen["ranks"]
+        ),
         path,
-        f"epoch row {number}: checklist must hold the witnesses' observations ({', '.join(fields)}, "
-        f"averages_checked, optimizer_state_steps), got {seen!r}",
+        f"epoch row {number}: checklist must hold the witnesses' observations (processes, devices, and per rank "
+        f"{', '.join([*RANK_FIELDS, *RANK_COUNTS])}), got {seen!r}",
     )
     world_size = config["world_size"]
-
     # 1. The processes: as many as the run's world, each rank its own, on CUDA each its own GPU.
-    ranks = seen["ranks"]
-    check(
-        isinstance(ranks, dict)
-        and all(is_int(ranks.get(key)) for key in ("processes", "devices"))
-        and isinstance(ranks.get("per_rank"), list)
-        and all(isinstance(rank, dict) for rank in ranks["per_rank"]),
-        path,
-        f"epoch row {number}: checklist ranks must hold processes, devices and per_rank counts, got {ranks!r}",
-    )
-    if len(ranks["per_rank"]) != world_size:
-        refuse(path, number, "", f"{len(ranks['per_rank'])} ranks reported, the run's world has {world_size}", 1)
-    if ranks["processes"] != world_size:
-        refuse(path, number, "", f"{world_size} ranks ran in {ranks['processes']} processes", 1)
-    if ranks.get("device_type") == "cuda" and ranks["devices"] != world_size:
-        refuse(path, number, "", f"{world_size} ranks shared {ranks['devices']} GPUs: one process per GPU", 1)
+    if len(seen["ranks"]) != world_size:
+        refuse(path, number, "", f"{len(seen['ranks'])} ranks reported, the run's world has {world_size}", 1)
+    if seen["processes"] != world_size:
+        refuse(path, number, "", f"{world_size} ranks ran in {seen['processes']} processes", 1)
+    if seen.get("device_type") == "cuda" and seen["devices"] != world_size:
+        refuse(path, number, "", f"{world_size} ranks shared {seen['devices']} GPUs: one process per GPU", 1)
+    for rank, observed in enumerate(seen["ranks"]):
+        check_rank(path, number, f"rank {rank}", observed, row, config, plan)
 
-    # 2. Each rank's micro-batches and examples, counted at the model's forward.
+
+def check_rank(path, number, who, seen, row, config, plan):
+    """One rank's observations of one epoch (check_epoch)."""
+    world_size = config["world_size"]
+
+    def at(where):
+        return f", {who}, {where}" if where else f", {who}"
+
+    # 2. Its micro-batches and examples, counted at the model's forward.
     sizes = expected_micro_batch_sizes(config)
-    for rank_number, rank in enumerate(ranks["per_rank"]):
-        for key, expected, what in (
-            ("micro_batches", len(sizes), "micro-batches"),
-            ("samples", sum(sizes), "examples"),
-            ("backwards", len(sizes), "backwards"),
-        ):
-            if rank.get(key) != expected:
-                refuse(path, number, "", f"rank {rank_number} ran {rank.get(key)} {what} (expected {expected})", 2)
+    for key, expected, what in (
+        ("micro_batches", len(sizes), "micro-batches"),
+        ("samples", sum(sizes), "examples"),
+        ("backwards", len(sizes), "backwards"),
+    ):
+        if seen[key] != expected:
+            refuse(path, number, at(""), f"{seen[key]} {what} ran (expected {expected})", 2)
 
     # 4. The loss scale seen at the logits: the window's divisor at every micro-batch, within the bound.
     divisors = []
@@ -149,22 +158,16 @@ def check_epoch(path, number, row, config, mode, plan):
         _, have, want = difference
         where = have[0] if isinstance(have, tuple) else want[0]
         seen_divisor = have[1] if isinstance(have, tuple) else "no backward"
-        refuse(
-            path,
-            number,
-            f", micro-batch {where}",
-            f"the gradient at the logits was the mean loss's divided by {seen_divisor}, the window's divisor is "
-            f"{want[1] if isinstance(want, tuple) else 'none'}",
-            4,
-        )
+        refuse(path, number, at(f"micro-batch {where}"), f"the gradient at the logits was the mean loss's divided by "
+               f"{seen_divisor}, the window's divisor is {want[1] if isinstance(want, tuple) else 'none'}", 4)  # fmt: skip
     gradient_dtype = torch.bfloat16 if config.get("precision") == "bf16" else torch.float32
     deviation_bound, residual_bound = loss_scale_bounds(gradient_dtype)
     deviation, residual = seen.get("loss_scale_deviation"), seen.get("loss_scale_residual")
     if not (is_number(deviation) and deviation <= deviation_bound):
-        refuse(path, number, "", f"the loss divisor seen at the logits is {deviation!r} off a whole number "
+        refuse(path, number, at(""), f"the loss divisor seen at the logits is {deviation!r} off a whole number "
                f"(bound {deviation_bound:.3g} for {config.get('precision')})", 4)  # fmt: skip
     if not (is_number(residual) and residual <= residual_bound):
-        refuse(path, number, "", f"the gradient at the logits is not the mean cross-entropy's (relative residual "
+        refuse(path, number, at(""), f"the gradient at the logits is not the mean cross-entropy's (relative residual "
                f"{residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
 
     # 5 and 7. Resets only at the windows' starts; every other backward adds onto what the last one left.
@@ -172,33 +175,33 @@ def check_epoch(path, number, row, config, mode, plan):
     backward_starts = experiment.from_progressions(seen["backward_starts"])
     difference = first_difference(backward_starts, list(range(len(plan))))
     if difference is not None:
-        refuse(path, number, "", f"backward {difference[0] + 1} started at micro-batch {difference[1]}, expected "
-               f"{difference[2]}", 2)  # fmt: skip
+        refuse(path, number, at(""), f"backward {difference[0] + 1} started at micro-batch {difference[1]}, "
+               f"expected {difference[2]}", 2)  # fmt: skip
+    if seen["steps_before_backward"]:
+        refuse(path, number, at(f"micro-batch {seen['steps_before_backward'][0]}"), "the optimizer stepped between "
+               "its forward and its backward", 7)  # fmt: skip
     fresh = experiment.from_progressions(seen["fresh_at_backward"])
     difference = first_difference(fresh, starts)
     if difference is not None:
         _, have, want = difference
         if have != "none" and (want == "none" or have < want):
-            refuse(path, number, f", micro-batch {have}", "its backward started on reset gradients inside a window "
-                   "(zero_grad or a reset before the window's synchronized micro-batch)", 7)  # fmt: skip
-        refuse(path, number, f", micro-batch {want}", "its backward added onto the previous window's gradients "
+            refuse(path, number, at(f"micro-batch {have}"), "its backward started on reset gradients inside a "
+                   "window (zero_grad or a reset before the window's synchronized micro-batch)", 7)  # fmt: skip
+        refuse(path, number, at(f"micro-batch {want}"), "its backward added onto the previous window's gradients "
                "(no reset after the step)", 7)  # fmt: skip
-    between = seen.get("steps_before_backward")
-    check(isinstance(between, list), path, f"epoch row {number}: steps_before_backward must be a list, got {between!r}")
-    if between:
-        refuse(path, number, f", micro-batch {between[0]}", "the optimizer stepped between its forward and its "
-               "backward", 7)  # fmt: skip
     fresh_at_step = experiment.from_progressions(seen["fresh_at_step"])
     if fresh_at_step:
-        refuse(path, number, f", micro-batch {fresh_at_step[0]}", "the optimizer stepped on reset gradients "
+        refuse(path, number, at(f"micro-batch {fresh_at_step[0]}"), "the optimizer stepped on reset gradients "
                "(zero_grad before step)", 7)  # fmt: skip
-    altered = seen["altered_at"]
-    if altered:
-        where = experiment.from_progressions(altered)[0]
-        refuse(path, number, f", micro-batch {where}", "the gradients were not what the backward before left "
+    if seen["altered_at"]:
+        where = experiment.from_progressions(seen["altered_at"])[0]
+        refuse(path, number, at(f"micro-batch {where}"), "the gradients were not what the backward before left "
                "(changed between backwards, or not accumulated)", 5)  # fmt: skip
 
-    # 3. The samples behind each step, summed over the ranks.
+    # 3. The samples behind each step, summed over the ranks, all of them in the loss.
+    if seen["loss_short_of_samples"]:
+        refuse(path, number, at(f"micro-batch {seen['loss_short_of_samples'][0]}"), "its loss took fewer samples "
+               "than its forward", 3)  # fmt: skip
     windows, window = [], []
     for index, micro_step in enumerate(plan):
         window.append(index)
@@ -213,23 +216,24 @@ def check_epoch(path, number, row, config, mode, plan):
         got = [value for value, count in seen[key] for _ in range(count)]
         difference = first_difference(got, expected)
         if difference is not None:
-            refuse(path, number, f", optimizer step {difference[0] + 1}", f"{difference[1]} {what} over all ranks "
+            refuse(path, number, at(f"optimizer step {difference[0] + 1}"), f"{difference[1]} {what} over all ranks "
                    f"went into it, expected {difference[2]}", 3)  # fmt: skip
 
     # 6. The synchronized gradient is the mean of the ranks' local (accumulated) gradients, at every step.
     off = seen.get("first_average_off")
     if off is not None:
         check(isinstance(off, dict), path, f"epoch row {number}: first_average_off must be an object, got {off!r}")
-        refuse(path, number, f", optimizer step {off.get('optimizer_step')}", f"the synchronized gradient's "
+        refuse(path, number, at(f"optimizer step {off.get('optimizer_step')}"), f"the synchronized gradient's "
                f"projection {off.get('synced')!r} is not the mean of the ranks' local ones {off.get('mean_of_ranks')!r} "
                f"(bound {off.get('bound')!r}): the all-reduce did not average", 6)  # fmt: skip
     if seen["averages_checked"] != row["optimizer_steps"]:
-        refuse(path, number, "", f"{seen['averages_checked']} averages checked for {row['optimizer_steps']} steps", 6)
+        refuse(path, number, at(""), f"{seen['averages_checked']} averages checked for {row['optimizer_steps']} "
+               "steps", 6)  # fmt: skip
 
     # 8. The optimizer's own count of its updates.
     if seen["optimizer_state_steps"] != row["optimizer_steps"]:
-        refuse(path, number, "", f"the optimizer's state counted {seen['optimizer_state_steps']} updates, its step "
-               f"hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
+        refuse(path, number, at(""), f"the optimizer's state counted {seen['optimizer_state_steps']} updates, its "
+               f"step hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
 
 
 def check_documented(path, config):

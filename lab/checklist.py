@@ -18,9 +18,8 @@ no witness can see.
 """
 
 import math
-import os
-import socket
 import threading
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,9 +35,10 @@ AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness
 PROJECTION_SEED = 47_000_047
 # Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
-# float32 kernels recomputing the same softmax (torch's log_softmax backward against this witness's float64)
-# differ by a few float32 ulps per element; 2**-16 bounds it with room (measured: below 2**-21, docs/audit.md).
-FLOAT32_KERNEL_SLACK = 2.0**-16
+# The mean loss's gradient is recomputed with torch's own kernels on the same float32 logits, so the two differ
+# only by the window's division (exact for a power of two, a few float32 roundings otherwise) and the rounding
+# to the logits' dtype: 2**-20 bounds the float32 part with room.
+FLOAT32_SLACK = 2.0**-20
 # A Gaussian projection of an error vector exceeds 12 of its standard deviations with probability 4e-33.
 SIGMAS = 12
 
@@ -51,9 +51,36 @@ def half_spacing_near_zero(dtype):
 
 def loss_scale_bounds(gradient_dtype):
     """(divisor's relative deviation, residual) allowed for a logits gradient held in `gradient_dtype`: each
-    element is rounded once (u), the least-squares divisor moves by at most u, the residual by at most 2u."""
-    unit = UNIT_ROUNDOFF[gradient_dtype]
-    return unit + FLOAT32_KERNEL_SLACK, 2 * unit + FLOAT32_KERNEL_SLACK
+    element of it is the recomputed one divided by the divisor, within u of its own size (u of the dtype, plus
+    the float32 slack), so the fitted divisor moves by at most u / (1 - u) and the residual by at most twice."""
+    unit = UNIT_ROUNDOFF[gradient_dtype] + FLOAT32_SLACK
+    return 1.1 * unit, 2.2 * unit
+
+
+CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
+
+
+def loss_scale(logits, targets, gradient):
+    """[divisor, residual] of the gradient that reached the logits: it fitted as the mean cross-entropy's own
+    gradient divided by the divisor, that gradient recomputed by torch's kernels on the same float32 logits (a
+    confident batch's cancellations are then the same in both); the residual relative to it."""
+    with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
+        leaf = logits.detach().float().requires_grad_()
+        (mean_loss_gradient,) = torch.autograd.grad(CROSS_ENTROPY(leaf, targets), leaf)
+    expected, seen = mean_loss_gradient.double(), gradient.double()
+    divisor = expected.square().sum() / (seen * expected).sum()
+    return torch.stack([divisor, (seen * divisor - expected).norm() / expected.norm()])
+
+
+# Each process's own name: a host name and a pid can repeat across containers.
+PROCESS_ID = uuid.uuid4().hex
+
+
+def device_id(device):
+    """A GPU's own UUID (two ranks on one GPU share it, whatever their host is called); the CPU's kind."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device).uuid)
+    return device.type
 
 
 # ----------------------------------------------------------------------------- the collective, tapped
@@ -99,14 +126,19 @@ class ChecklistTrace:
     backwards: int = 0  # backwards whose gradient reached the logits
     state_steps_before: int = 0  # the optimizer state's step counter when the epoch began
     steps_before_backward: list = field(default_factory=list)  # micro-batches whose forward a step followed
-    loss_scales: list = field(default_factory=list)  # per backward: [micro-batch, divisor, residual]
-    gradient_states: list = field(default_factory=list)  # per observation: [point, micro-batch, fresh, off]
+    loss_positions: list = field(default_factory=list)  # the micro-batch of each backward
+    loss_scales: list = field(default_factory=list)  # per backward, on the device: [divisor, residual]
+    loss_short: list = field(default_factory=list)  # micro-batches whose loss took fewer samples than the forward
+    state_points: list = field(default_factory=list)  # per observation: (point, micro-batch)
+    gradient_states: list = field(default_factory=list)  # per observation, on the device: [fresh, off]
     averages: list = field(default_factory=list)  # per step: [synced, mean of locals, bound, samples, forwards]
 
     def to(self, device):
+        """A copy with its device tensors on `device`, each list moved in one copy."""
         moved = ChecklistTrace(**vars(self))
         for name in ("loss_scales", "gradient_states", "averages"):
-            setattr(moved, name, [value.to(device) for value in getattr(self, name)])
+            values = getattr(self, name)
+            setattr(moved, name, list(torch.stack(values).to(device).unbind()) if values else [])
         return moved
 
 
@@ -166,19 +198,16 @@ class Witness:
         if self.window_syncs:  # the same on every rank: the syncs were collectives
             self.observe(EPOCH_END, self.trace.micro_batches - 1)
             self.reduce_window()
-        trace = self.trace
-        counts = {"micro_batches": trace.micro_batches, "samples": trace.samples, "backwards": trace.backwards}
-        mine = (socket.gethostname(), os.getpid(), str(self.device), counts)
+        mine = (PROCESS_ID, device_id(self.device), summarize(self.trace, self.state_steps()))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)  # the default group (gloo): host objects
-        # Distinct processes and devices are counted, not named: the row stays the same when a run is repeated.
-        ranks = {
-            "processes": len({(host, pid) for host, pid, _, _ in gathered}),
-            "devices": len({(host, device) for host, _, device, _ in gathered}),
+        # Every rank's observations; processes and devices counted, not named (a repeated run's row is the same).
+        return {
+            "processes": len({process for process, _, _ in gathered}),
+            "devices": len({device for _, device, _ in gathered}),
             "device_type": self.device.type,
-            "per_rank": [counts for _, _, _, counts in gathered],
+            "ranks": [observed for _, _, observed in gathered],
         }
-        return summarize(trace, ranks, self.state_steps() - trace.state_steps_before)
 
     # -- the events
 
@@ -192,30 +221,27 @@ class Witness:
         samples = inputs[0].shape[0]
         self.trace.micro_batches += 1
         self.trace.samples += samples
-        self.awaiting_loss = True  # the criterion's next call is on this forward's output
+        self.awaiting_loss = samples  # the criterion's next call is on this forward's output
         self.window[3] += samples
         self.window[4] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
         if self.awaiting_loss and self.training() and logits.requires_grad:
+            if targets.shape[0] != self.awaiting_loss:  # a loss over part of the forward's batch
+                self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
-        """The backward's first event in the model: read the gradients' state, and the loss scale from the
-        gradient that reached the logits against the mean loss's own, (softmax - one-hot) / batch."""
+        """The backward's first event in the model: read the gradients' state, and the loss scale: the gradient
+        that reached the logits against the mean cross-entropy's own, recomputed by torch's kernels on the same
+        float32 logits (so a confident batch's cancellations are the same in both)."""
         index = self.trace.micro_batches - 1
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
-        expected = F.softmax(logits.double(), dim=1)
-        expected[torch.arange(targets.numel(), device=targets.device), targets] -= 1
-        expected /= targets.numel()
-        seen = gradient.double()
-        divisor = expected.pow(2).sum() / (seen * expected).sum()
-        residual = (seen * divisor - expected).norm() / expected.norm()
-        position = torch.full((), float(index), dtype=torch.float64, device=self.device)  # no host copy
-        self.trace.loss_scales.append(torch.stack([position, divisor, residual]))
+        self.trace.loss_positions.append(index)
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient))
         self.contribution.zero_()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -289,9 +315,8 @@ class Witness:
             off = ~fresh & ((now[0] - expected).abs() > bound)
         elif self.expectation is not None and self.expectation[0] == "synced":
             self.synced_observed += now[0]
-        codes = torch.full((2,), float(point), dtype=torch.float64, device=self.device)  # no host copy
-        codes[1] = index
-        self.trace.gradient_states.append(torch.cat([codes, torch.stack([fresh, off]).double()]))
+        self.trace.state_points.append((point, index))  # on the host: no copy to the device
+        self.trace.gradient_states.append(torch.stack([fresh, off]))
         # From here on the gradients must stay as read (only a reset or a backward may change them): the same
         # values projected again give the same sum, within the float64 sum's own rounding.
         self.expectation = ("local", now[0], now[1] * 2 * self.dot_slack)
@@ -341,26 +366,27 @@ def runs_of(values):
     return runs
 
 
-def divisor_runs(scales):
-    """Per backward [micro-batch, divisor seen, residual] as [start, stop, whole divisor] runs of consecutive
-    micro-batches (stop exclusive; None where the divisor is not a finite number)."""
+def divisor_runs(positions, scales):
+    """Per backward its micro-batch and [divisor seen, residual], as [start, stop, whole divisor] runs of
+    consecutive micro-batches (stop exclusive; None where the divisor is not a finite number)."""
     runs = []
-    for index, divisor, _ in scales:
+    for index, (divisor, _) in zip(positions, scales):
         whole = round(divisor) if math.isfinite(divisor) else None
-        if runs and runs[-1][1] == int(index) and runs[-1][2] == whole:
+        if runs and runs[-1][1] == index and runs[-1][2] == whole:
             runs[-1][1] += 1
         else:
-            runs.append([int(index), int(index) + 1, whole])
+            runs.append([index, index + 1, whole])
     return runs
 
 
-def summarize(trace, ranks, state_steps):
-    """The epoch's observations as the row's `checklist` (one host read of everything kept on the device)."""
+def summarize(trace, state_steps):
+    """One rank's observations of the epoch, for the row's `checklist` (one host read of everything it kept on
+    the device); `state_steps` is the optimizer state's count now."""
     scales = torch.stack(trace.loss_scales).tolist() if trace.loss_scales else []
     states = torch.stack(trace.gradient_states).tolist() if trace.gradient_states else []
     averages = torch.stack(trace.averages).tolist() if trace.averages else []
     deviation = residual = 0.0
-    for _, divisor, off in scales:
+    for divisor, off in scales:
         whole = round(divisor) if math.isfinite(divisor) else 0
         deviation = max(deviation, abs(divisor / whole - 1) if whole else math.inf)
         residual = max(residual, off if math.isfinite(off) else math.inf)
@@ -371,23 +397,27 @@ def summarize(trace, ranks, state_steps):
     ]
 
     def positions(keep):
+        observed = zip(trace.state_points, states)
         return experiment.as_progressions(
-            [int(index) for point, index, fresh, off in states if keep(point, fresh, off)]
+            [index for (point, index), (fresh, off) in observed if keep(point, fresh, off)]
         )
 
     return {
-        "ranks": ranks,
+        "micro_batches": trace.micro_batches,
+        "samples": trace.samples,
+        "backwards": trace.backwards,
         "backward_starts": positions(lambda point, fresh, off: point == BACKWARD),
         "fresh_at_backward": positions(lambda point, fresh, off: point == BACKWARD and fresh),
         "fresh_at_step": positions(lambda point, fresh, off: point != BACKWARD and fresh),
         "altered_at": positions(lambda point, fresh, off: off),
-        "loss_divisors": divisor_runs(scales),
+        "loss_divisors": divisor_runs(trace.loss_positions, scales),
         "loss_scale_deviation": deviation if math.isfinite(deviation) else None,
         "loss_scale_residual": residual if math.isfinite(residual) else None,
+        "loss_short_of_samples": trace.loss_short,
         "step_samples": runs_of([int(samples) for *_, samples, _ in averages]),
         "step_micro_batches": runs_of([int(forwards) for *_, forwards in averages]),
         "averages_checked": len(averages),
         "first_average_off": off_average[0] if off_average else None,
-        "optimizer_state_steps": state_steps,
+        "optimizer_state_steps": state_steps - trace.state_steps_before,
         "steps_before_backward": trace.steps_before_backward,
     }

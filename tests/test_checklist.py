@@ -12,8 +12,8 @@ from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verif
 from lab import certify, checklist, experiment, records
 from model import CifarCNN
 
-# Each bug, the checklist item it breaks, and the modes its two injections run in (the loop's first, then
-# beneath the loop's): across the bugs each way meets each mode.
+# Each bug, the checklist item it breaks (or the loop's and the beneath one's), and the modes its two injections
+# run in (the loop's first, then beneath the loop's): across the bugs each way meets each mode.
 BUGS = {
     "reset_inside_window": (7, ("no_sync", "every")),
     "reset_in_place": (7, ("every", "no_sync")),
@@ -24,6 +24,8 @@ BUGS = {
     "skipped_step": (8, ("no_sync", "every")),
     "hook_sums": (6, ("every", "no_sync")),
     "hook_divides_twice": (6, ("no_sync", "every")),
+    "reset_on_one_rank": (7, ("every", "no_sync")),
+    "loss_on_part_of_batch": ((3, 4), ("no_sync", "every")),  # in the loop: sliced before the criterion
 }
 LABEL_LIE = "compression_label_lies"  # --comm-hook bf16 sending float32: both modes trained with it
 
@@ -58,8 +60,10 @@ def refusal(result):
 def test_each_bug_is_refused_naming_its_checklist_item(bug, way, injected_runs, lab_runs, tmp_path):
     """The bugged mode beside the same experiment's correct other mode (the shared runs): refused, the item
     named, whatever the way the bug was made."""
-    item, modes = BUGS[bug]
-    mode = modes[0] if way == "loop" else modes[1]
+    items, modes = BUGS[bug]
+    mode, item = (modes[0], items) if way == "loop" else (modes[1], items)
+    if isinstance(items, tuple):
+        item = items[0] if way == "loop" else items[1]
     artifacts = copy_runs(injected_runs / f"{bug}-{way}-{mode}", tmp_path / "artifacts")
     shutil.copytree(lab_runs[0] / other(mode), artifacts / other(mode))
     line = refusal(verify(artifacts))
@@ -81,48 +85,62 @@ def test_a_compression_label_that_lies_is_refused_by_the_bytes_handed_to_the_col
 
 
 def test_the_witnesses_saw_the_correct_runs_as_they_are(lab_runs):
-    """What the shared correct runs' rows hold: every micro-batch's backward, the resets at the windows' starts
-    alone, the window's divisor at every micro-batch, 2 ranks x 16 samples behind every step, every step's
-    average checked, the optimizer's own count equal to its hooks'."""
+    """What the shared correct runs' rows hold, for each rank (check_correct_rank)."""
     artifacts, _ = lab_runs
     for mode in ("every", "no_sync"):
         for row in read_json(artifacts / mode / "history.json"):
-            seen = row["checklist"]
-            assert seen["ranks"] == {
+            checklist_row = row["checklist"]
+            # both ranks on this machine's CPU: the one-GPU-each rule is CUDA's
+            assert {key: checklist_row[key] for key in ("processes", "devices", "device_type")} == {
                 "processes": 2,
-                "devices": 1,  # both ranks on this machine's CPU: the one-GPU-each rule is CUDA's
+                "devices": 1,
                 "device_type": "cpu",
-                "per_rank": [{"micro_batches": 20, "samples": 80, "backwards": 20}] * 2,
             }
-            assert seen["backward_starts"] == [[0, 20, 1]]
-            assert seen["fresh_at_backward"] == [[0, 17, 4]]
-            assert (seen["fresh_at_step"], seen["altered_at"], seen["steps_before_backward"]) == ([], [], [])
-            assert seen["loss_divisors"] == [[0, 20, 4]]
-            assert seen["step_samples"] == [[32, 5]] and seen["step_micro_batches"] == [[8, 5]]
-            assert seen["averages_checked"] == 5 and seen["first_average_off"] is None
-            assert seen["optimizer_state_steps"] == 5
-            assert row["witness_allreduces"] == 5
-            bound, residual_bound = checklist.loss_scale_bounds(torch.bfloat16)
-            assert 0 < seen["loss_scale_deviation"] <= bound and 0 < seen["loss_scale_residual"] <= residual_bound
+            assert len(checklist_row["ranks"]) == 2
+            for seen in checklist_row["ranks"]:
+                assert (seen["micro_batches"], seen["samples"], seen["backwards"]) == (20, 80, 20)
+                check_correct_rank(seen, row)
 
 
-def test_the_loss_scale_witness_reads_the_divisor_off_the_logits_gradient():
-    """The witness's arithmetic on a known gradient: (softmax - one-hot) / batch / divisor gives the divisor
-    back, within float32's rounding; the same gradient rounded to BF16 stays within the BF16 bound."""
-    logits = torch.randn(50, 10, generator=torch.Generator().manual_seed(3))
-    targets = torch.randint(0, 10, (50,), generator=torch.Generator().manual_seed(4))
-    for divisor in (1, 4, 16):
-        leaf = logits.clone().requires_grad_()
-        (torch.nn.functional.cross_entropy(leaf, targets) / divisor).backward()
-        for dtype in (torch.float32, torch.bfloat16):
-            seen = leaf.grad.to(dtype)
-            expected = torch.softmax(logits.double(), 1)
-            expected[torch.arange(50), targets] -= 1
-            expected /= 50
-            found = expected.pow(2).sum() / (seen.double() * expected).sum()
-            residual = (seen.double() * found - expected).norm() / expected.norm()
-            deviation_bound, residual_bound = checklist.loss_scale_bounds(dtype)
-            assert abs(found / divisor - 1) <= deviation_bound and residual <= residual_bound
+def check_correct_rank(seen, row):
+    """Every micro-batch's backward, the resets at the windows' starts alone, the window's divisor at every
+    micro-batch, 2 ranks x 16 samples behind every step, every step's average checked, the optimizer's own count
+    equal to its hooks'."""
+    assert seen["backward_starts"] == [[0, 20, 1]]
+    assert seen["fresh_at_backward"] == [[0, 17, 4]]
+    assert (seen["fresh_at_step"], seen["altered_at"], seen["steps_before_backward"]) == ([], [], [])
+    assert seen["loss_divisors"] == [[0, 20, 4]] and seen["loss_short_of_samples"] == []
+    assert seen["step_samples"] == [[32, 5]] and seen["step_micro_batches"] == [[8, 5]]
+    assert seen["averages_checked"] == 5 and seen["first_average_off"] is None
+    assert seen["optimizer_state_steps"] == 5
+    assert row["witness_allreduces"] == 5
+    bound, residual_bound = checklist.loss_scale_bounds(torch.bfloat16)
+    assert 0 < seen["loss_scale_deviation"] <= bound and 0 < seen["loss_scale_residual"] <= residual_bound
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_loss_scale_is_read_within_its_bound_however_confident_the_model(precision):
+    """checklist.loss_scale on the gradient a real loss/divisor backward leaves at the logits (under BF16
+    autocast as the lab runs it, or float32): the divisor comes back within the bound, for random logits and
+    for batches the model is sure of (margins up to 30, where softmax - one-hot cancels to rounding), of 50,
+    2 and 1 samples; a wrong divisor is far outside it."""
+    generator = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    deviation_bound, residual_bound = checklist.loss_scale_bounds(dtype)
+    for batch, margin in ((50, 0), (50, 14), (50, 16), (50, 18), (50, 30), (2, 20), (1, 20)):
+        targets = torch.randint(0, 10, (batch,), generator=generator)
+        weights = torch.randn(batch, 10, generator=generator) + margin * torch.nn.functional.one_hot(targets, 10)
+        for divisor in (1, 3, 4, 16):
+            leaf = weights.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = leaf * 1.0  # the logits in the autocast dtype, as the model's classifier leaves them
+                loss = torch.nn.functional.cross_entropy(logits, targets)
+            logits.retain_grad()
+            (loss / divisor).backward()
+            found, residual = checklist.loss_scale(logits.detach(), targets, logits.grad).tolist()
+            assert abs(found / divisor - 1) <= deviation_bound, (batch, margin, divisor, found)
+            assert residual <= residual_bound, (batch, margin, divisor, residual)
+            assert round(found) == divisor
 
 
 def test_strict_verify_holds_every_documented_key(tmp_path):

@@ -52,6 +52,15 @@ LOOP_EDITS = {
     "skipped_step": [(STEP, "                if index != 3:\n    " + STEP)],
     "hook_sums": [(AVERAGED_BUCKET, "tensor = bucket.buffer()")],
     "hook_divides_twice": [(AVERAGED_BUCKET, AVERAGED_BUCKET + ".div_(comm_audit.world_size)")],
+    "reset_on_one_rank": [
+        (LOOP_TOP, "        if dist.get_rank() == 1:\n            optimizer.zero_grad(set_to_none=True)\n" + LOOP_TOP)
+    ],
+    "loss_on_part_of_batch": [
+        (
+            "raw_loss = criterion(logits, targets)",
+            "raw_loss = criterion(logits[: len(targets) // 2], targets[: len(targets) // 2])",
+        )
+    ],
     "compression_label_lies": [
         (
             "future = audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)",
@@ -220,6 +229,20 @@ def beneath(bug):
             stack.enter_context(collective_scales_gradients(world_size))
         elif bug == "hook_divides_twice":
             stack.enter_context(comm_hook_wrapped(lambda tensor: tensor.div_(world_size)))
+        elif bug == "reset_on_one_rank":  # rank 1's forward drops its gradients (a rank-dependent branch)
+            stack.enter_context(
+                training_forward_does(
+                    lambda ddp: [setattr(p, "grad", None) for p in ddp.parameters() if dist.get_rank() == 1]
+                )
+            )
+        elif bug == "loss_on_part_of_batch":  # the criterion keeps half the batch it is given
+
+            def half(forward):
+                return lambda self, inputs, targets: forward(
+                    self, inputs[: len(targets) // 2], targets[: len(targets) // 2]
+                )
+
+            stack.enter_context(patched(torch.nn.CrossEntropyLoss, "forward", half))
         elif bug == "compression_label_lies":  # torch's bf16 hook sending float32
             stack.enter_context(
                 patched(default_hooks, "_compress_hook", lambda f: lambda dtype, *a: f(torch.float32, *a))
