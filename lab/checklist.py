@@ -12,9 +12,7 @@ Every witness reads an event of the run itself, never the window plan the loop f
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
                                       gradient against the mean of the ranks' local gradients
 
-Everything is accumulated on the device and read once per epoch (no host synchronization per micro-batch on
-GPU). docs/audit.md says item by item which witness shows what, the tolerances and their derivation, and what
-no witness can see.
+Values stay on the device, read once per epoch; docs/audit.md says which witness shows what, the tolerances.
 """
 
 import math
@@ -43,12 +41,6 @@ FLOAT32_SLACK = 2.0**-20
 SIGMAS = 12
 
 
-def half_spacing_near_zero(dtype):
-    """Half the gap between 0 and the smallest subnormal: what a value flushed to zero on the wire loses."""
-    info = torch.finfo(dtype)
-    return info.smallest_normal * info.eps / 2
-
-
 def loss_scale_bounds(gradient_dtype):
     """(divisor's relative deviation, residual) allowed for a logits gradient held in `gradient_dtype`: each
     element of it is the recomputed one divided by the divisor, within u of its own size (u of the dtype, plus
@@ -72,15 +64,7 @@ def loss_scale(logits, targets, gradient):
     return torch.stack([divisor, (seen * divisor - expected).norm() / expected.norm()])
 
 
-# Each process's own name: a host name and a pid can repeat across containers.
-PROCESS_ID = uuid.uuid4().hex
-
-
-def device_id(device):
-    """A GPU's own UUID (two ranks on one GPU share it, whatever their host is called); the CPU's kind."""
-    if device.type == "cuda":
-        return str(torch.cuda.get_device_properties(device).uuid)
-    return device.type
+PROCESS_ID = uuid.uuid4().hex  # each process's own name: a host name and a pid can repeat across containers
 
 
 # ----------------------------------------------------------------------------- the collective, tapped
@@ -146,9 +130,11 @@ BACKWARD, STEP, EPOCH_END = 0, 1, 2  # where the gradients' state was read
 
 
 def projection_weights(parameters, device):
-    """A fixed float64 weight per gradient element, the same on every rank (seeded): F(g) = sum(w * g)."""
+    """A fixed float64 weight per gradient element, in the parameters' order, the same on every rank (seeded):
+    F(g) = w . g over the gradients laid end to end."""
     generator = torch.Generator().manual_seed(PROJECTION_SEED)
-    return [torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device) for p in parameters]
+    count = sum(p.numel() for p in parameters)
+    return torch.randn(count, generator=generator, dtype=torch.float64).to(device)
 
 
 class Witness:
@@ -158,23 +144,31 @@ class Witness:
         self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         self.weights = projection_weights(self.parameters, device)
-        self.abs_weights = [w.abs() for w in self.weights]
-        self.elements = sum(p.numel() for p in self.parameters)
-        self.dot_slack = self.elements * UNIT_ROUNDOFF[torch.float64]  # a float64 sum of n products, relative
+        self.slices, start = [], 0
+        for parameter in self.parameters:
+            self.slices.append(slice(start, start + parameter.numel()))
+            start += parameter.numel()
+        self.elements = start
+        self.flat = torch.empty(start, dtype=torch.float64, device=device)  # the gradients read, as float64
+        # This backward's own gradients, copied as they arrive: DDP may later write the mean into the very tensor
+        # a first backward's gradient became.
+        self.own = torch.empty(start, dtype=torch.float64, device=device)
+        self.own_arrived = set()
+        # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
+        self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
         self.trace = None
         self.awaiting_loss = False
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
-        self.pending = None  # the backward under way: (micro-batch, F before, T before, syncs before)
-        self.contribution = torch.zeros(3, dtype=torch.float64, device=device)  # [F, T, Q] of its own gradients
-        # The window's syncs, summed: [F local, T local, |local|_2, samples, forwards, syncs].
-        self.window = torch.zeros(6, dtype=torch.float64, device=device)
+        self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
+        # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs].
+        self.window = torch.zeros(5, dtype=torch.float64, device=device)
         self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
         self.window_syncs = 0
         self.wire_dtype = torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
         criterion.register_forward_hook(self.on_loss)
-        for parameter, weight, abs_weight in zip(self.parameters, self.weights, self.abs_weights):
-            parameter.register_hook(partial(self.on_parameter_gradient, weight, abs_weight))
+        for index, parameter in enumerate(self.parameters):
+            parameter.register_hook(partial(self.on_parameter_gradient, index))
         optimizer.register_step_pre_hook(self.on_step_begin)
         optimizer.register_step_post_hook(self.on_step_end)
 
@@ -198,7 +192,9 @@ class Witness:
         if self.window_syncs:  # the same on every rank: the syncs were collectives
             self.observe(EPOCH_END, self.trace.micro_batches - 1)
             self.reduce_window()
-        mine = (PROCESS_ID, device_id(self.device), summarize(self.trace, self.state_steps()))
+        # A GPU by its own UUID (two ranks on one GPU share it, whatever their hosts are called).
+        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
+        mine = (PROCESS_ID, device, summarize(self.trace, self.state_steps()))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)  # the default group (gloo): host objects
         # Every rank's observations; processes and devices counted, not named (a repeated run's row is the same).
@@ -222,8 +218,8 @@ class Witness:
         self.trace.micro_batches += 1
         self.trace.samples += samples
         self.awaiting_loss = samples  # the criterion's next call is on this forward's output
-        self.window[3] += samples
-        self.window[4] += 1
+        self.window[2] += samples
+        self.window[3] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
@@ -242,17 +238,15 @@ class Witness:
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
         self.trace.loss_scales.append(loss_scale(logits, targets, gradient))
-        self.contribution.zero_()
+        self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
-    def on_parameter_gradient(self, weight, abs_weight, gradient):
-        """A parameter's gradient from this backward alone, before it is accumulated or synchronized."""
-        if self.pending is None:
-            return
-        local = gradient.double()
-        self.contribution[0] += (local * weight).sum()
-        self.contribution[1] += (local.abs() * abs_weight).sum()
-        self.contribution[2] += local.square().sum()
+    def on_parameter_gradient(self, index, gradient):
+        """A parameter's gradient from this backward alone, before it is accumulated or synchronized: copied,
+        projected with the others in one pass when the backward ends."""
+        if self.pending is not None:
+            self.own[self.slices[index]].copy_(gradient.reshape(-1))
+            self.own_arrived.add(index)
 
     def on_step_begin(self, optimizer, args, kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
@@ -268,19 +262,20 @@ class Witness:
 
     # -- the gradients' state
 
+    def project(self, flat):
+        """[F, Q] of gradients laid end to end in float64: F = w . g, Q = g . g (zero exactly when all are)."""
+        return torch.stack([torch.dot(flat, self.weights), torch.dot(flat, flat)])
+
     def projections(self):
-        """[F, T, Q] of the gradients held now (T = sum |w| |g|: zero exactly when every gradient is; Q = sum g^2),
-        and whether none is held at all."""
-        held = [
-            (p.grad, w, a) for p, w, a in zip(self.parameters, self.weights, self.abs_weights) if p.grad is not None
-        ]
+        """[F, Q] of the gradients held now (a missing one is zero), and whether none is held at all."""
+        held = [(index, p.grad) for index, p in enumerate(self.parameters) if p.grad is not None]
         if not held:
-            return torch.zeros(3, dtype=torch.float64, device=self.device), True
-        values = [
-            torch.stack([(g64 * w).sum(), (g64.abs() * a).sum(), g64.square().sum()])
-            for g64, w, a in ((g.double(), w, a) for g, w, a in held)
-        ]
-        return torch.stack(values).sum(0), False
+            return torch.zeros(2, dtype=torch.float64, device=self.device), True
+        if len(held) < len(self.slices):
+            self.flat.zero_()
+        for index, gradient in held:
+            self.flat[self.slices[index]].copy_(gradient.reshape(-1))
+        return self.project(self.flat), False
 
     def close_backward(self):
         """The backward under way has ended (the next event came): did it synchronize (the hook saw its last
@@ -289,23 +284,25 @@ class Witness:
             return
         index, before, syncs_before = self.pending
         self.pending = None
+        for missing in set(range(len(self.slices))) - self.own_arrived:
+            self.own[self.slices[missing]].zero_()
+        own = self.project(self.own)
         # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum.
-        norm = before[2].sqrt() + self.contribution[2].sqrt()
-        local = torch.stack([before[0] + self.contribution[0], before[1] + self.contribution[1], norm])
+        local = torch.stack([before[0] + own[0], before[1].sqrt() + own[1].sqrt()])
         if self.comm_audit.gradient_syncs != syncs_before:
             self.epoch_trace.sync_positions.append(index)
-            self.window[:3] += local
-            self.window[5] += 1
+            self.window[:2] += local
+            self.window[4] += 1
             self.window_syncs += 1
             self.wire_dtype = self.comm_audit.wire_dtype or torch.float32
             self.expectation = ("synced",)
-        else:  # accumulated locally in float32: each element rounded once
-            bound = local[1] * (UNIT_ROUNDOFF[torch.float32] + 2 * self.dot_slack)
+        else:  # accumulated locally in float32: each element rounded once, |e| <= u |local|, projected
+            bound = local[1] * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.dot_slack)
             self.expectation = ("local", local[0], bound)
 
     def observe(self, point, index):
         """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
-        it), or not what the last backward left (altered). Returns [F, T, Q] now."""
+        it), or not what the last backward left (altered). Returns [F, Q] now."""
         self.close_backward()
         now, none_held = self.projections()
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
@@ -319,7 +316,7 @@ class Witness:
         self.trace.gradient_states.append(torch.stack([fresh, off]))
         # From here on the gradients must stay as read (only a reset or a backward may change them): the same
         # values projected again give the same sum, within the float64 sum's own rounding.
-        self.expectation = ("local", now[0], now[1] * 2 * self.dot_slack)
+        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.dot_slack)
         return now
 
     def reduce_window(self):
@@ -334,15 +331,14 @@ class Witness:
         # roundings of the mean of magnitudes, plus half a gap where a value is flushed to zero: an error vector
         # e with |e| <= (W + 2) u sum_r |L_r| / W + (W + 1) h sqrt(n). Its projection on the fixed Gaussian
         # weights, drawn independently of the run, is N(0, |e|^2): SIGMAS standard deviations bound it
-        # (docs/audit.md). The float64 sums' own rounding is bounded by T.
-        unit, gap = UNIT_ROUNDOFF[self.wire_dtype], half_spacing_near_zero(self.wire_dtype)
-        bound = (
-            SIGMAS * ((world_size + 2) * unit * summed[2] / world_size)
-            + SIGMAS * (world_size + 1) * gap * math.sqrt(self.elements) * summed[5]
-            + 2 * self.dot_slack * summed[1] / world_size
-        )
+        # (docs/audit.md); the float64 dot products' own rounding beside it.
+        wire = torch.finfo(self.wire_dtype)
+        unit, gap = UNIT_ROUNDOFF[self.wire_dtype], wire.smallest_normal * wire.eps / 2  # half the subnormal gap
+        bound = (SIGMAS * (world_size + 2) * unit + 3 * self.dot_slack) * summed[1] / world_size + SIGMAS * (
+            world_size + 1
+        ) * gap * math.sqrt(self.elements) * summed[4]
         mean = summed[0] / world_size
-        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[3], summed[4]]))
+        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[2], summed[3]]))
         self.window.zero_()
         self.synced_observed.zero_()
         self.window_syncs = 0
