@@ -39,9 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lab import audit, checklist, data, experiment, launch, loaders, records, resume
+from lab import audit, checklist, data, experiment, launch, loaders, records, resume, tap
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
-from lab.loaders import AUGMENTATION
 from lab.precision import PRECISIONS
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
@@ -103,7 +102,7 @@ def counting_allreduce_hook(comm_audit, bucket):
         return value[0] if isinstance(value, list) else value
 
     # The bytes are those of the tensors handed to the collective, whatever the --comm-hook label says.
-    with checklist.TAP.handed() as handed:
+    with tap.TAP.handed() as handed:
         if comm_audit.comm_hook != "allreduce":
             future = audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
         else:
@@ -259,8 +258,8 @@ def run(args, place):
     ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
-    made_with = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
-    config.update(learning_rate=made_with["lr"], weight_decay=made_with["weight_decay"], augmentation=AUGMENTATION)
+    made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
+    config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(setup.precision.autocast, device.type)
 

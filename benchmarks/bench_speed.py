@@ -165,7 +165,9 @@ def worker(args):
     for _ in range(args.repeats):  # in turn, so that a drift of the machine's speed touches every variant
         for name, body in bodies.items():
             samples[name].append(timed(body) / micro_batches)
-    samples["checklist hooks"] = TimedWitness.seconds / ((args.repeats + 1) * micro_batches)
+    timed_micro_batches = (args.repeats + 1) * micro_batches
+    samples["checklist hooks"] = (TimedWitness.seconds - TimedWitness.collective_seconds) / timed_micro_batches
+    samples["checklist collective"] = TimedWitness.collective_seconds / timed_micro_batches
     gathered = [None] * place.world_size
     dist.all_gather_object(gathered, samples)
     if place.rank == 0:
@@ -176,12 +178,13 @@ def worker(args):
             )
             for name in bodies
         }
-        hooks = max(rank_samples["checklist hooks"] for rank_samples in gathered)
+        hooks, collective = (max(rank_samples[part] for rank_samples in gathered) for part in CHECKLIST_PARTS)
         print(
             json.dumps(
                 {
                     "seconds_per_micro_batch": medians,
                     "checklist_hook_seconds_per_micro_batch": hooks,
+                    "checklist_collective_seconds_per_micro_batch": collective,
                     "threads": torch.get_num_threads(),
                     "device": str(device),
                     "precision": precision.name,
@@ -194,9 +197,21 @@ def worker(args):
 
 
 class TimedWitness(checklist.Witness):
-    """The checklist's witnesses with the host time spent in their hooks summed (their collective included)."""
+    """The checklist's witnesses with the host time spent in their hooks summed, and apart the time of their
+    all-reduce at each step (which includes waiting for the slower rank, a wait the step's next collective would
+    otherwise absorb)."""
 
-    seconds = 0.0
+    seconds = collective_seconds = 0.0
+
+    def reduce_window(self):
+        started = time.perf_counter()
+        try:
+            return super().reduce_window()
+        finally:
+            TimedWitness.collective_seconds += time.perf_counter() - started
+
+
+CHECKLIST_PARTS = ("checklist hooks", "checklist collective")
 
 
 def timed_hook(hook):
@@ -352,10 +367,11 @@ def main():
     )
     rows = table_rows(floor, runs)
     print_table(rows, runs, cache_seconds)
-    hooks = measured["checklist_hook_seconds_per_micro_batch"]
+    hooks, collective = (measured[f"checklist_{part}_seconds_per_micro_batch"] for part in ("hook", "collective"))
     print(
-        f"\nthe checklist's hooks, their own time: {hooks * 1000:.2f} ms per micro-batch, "
-        f"{hooks / floor['lab loop']:.1%} of the lab loop's micro-batch"
+        f"\nthe checklist's witnesses, their own code: {hooks * 1000:.2f} ms per micro-batch, "
+        f"{hooks / floor['lab loop']:.1%} of the lab loop's micro-batch; their all-reduce at each step, waits "
+        f"included: {collective * 1000:.2f} ms per micro-batch ({collective / floor['lab loop']:.1%})"
     )
     settings = ("data_dir", "nproc_per_node", "device", "precision", "windows", "repeats")
     report = {
@@ -366,7 +382,7 @@ def main():
             name: str(getattr(args, name)) if name == "data_dir" else getattr(args, name) for name in settings
         },
         "floor_seconds_per_micro_batch": floor,
-        "checklist_hook_seconds_per_micro_batch": measured["checklist_hook_seconds_per_micro_batch"],
+        **{key: value for key, value in measured.items() if key.startswith("checklist_")},
         "lab_runs": runs,
         "decode_cache_seconds": cache_seconds,
         "rows": [{"part": part, "measured_seconds": m, "floor_seconds": f, "efficiency": f / m} for part, m, f in rows],

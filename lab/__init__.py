@@ -2,6 +2,7 @@
 per concern; docs/architecture.md draws what flows between them.
 
     cli          errors as one line that names the remedy, argparse with such lines, progress on stderr
+    tap          what a gradient hook hands to torch.distributed.all_reduce, read from the call
     experiment   the documented configuration, the window plan, the exact counts a configuration implies
     precision    BF16 autocast or float32, chosen for the hardware
     pictures     the pictures, drawn with Pillow

@@ -8,7 +8,7 @@ Every witness reads an event of the run itself, never the window plan the loop f
     the gradients' state              a linear float64 projection of every .grad at each backward's start and at
                                       each step: resets (None or zero, however made), accumulation, alterations
     the optimizer                     its own step pre/post hooks, and its state's step counter
-    the collective                    the hook's tensors handed to all_reduce (CollectiveTap)
+    the collective                    the hook's tensors handed to all_reduce (lab/tap.py)
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
                                       gradient against the mean of the ranks' local gradients
 
@@ -16,9 +16,7 @@ Values stay on the device, read once per epoch; docs/audit.md says which witness
 """
 
 import math
-import threading
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -65,37 +63,6 @@ def loss_scale(logits, targets, gradient):
 
 
 PROCESS_ID = uuid.uuid4().hex  # each process's own name: a host name and a pid can repeat across containers
-
-
-# ----------------------------------------------------------------------------- the collective, tapped
-
-
-class CollectiveTap:
-    """What a gradient hook hands to torch.distributed.all_reduce, read from the call itself: each tensor's dtype
-    and element count. Installed once per process; it records only inside `handed()` on the calling thread."""
-
-    def __init__(self):
-        self.local = threading.local()
-        self.original = dist.all_reduce
-
-        def all_reduce(tensor, *args, **kwargs):
-            if getattr(self.local, "handed", None) is not None:
-                self.local.handed.append((tensor.dtype, tensor.numel()))
-            return self.original(tensor, *args, **kwargs)
-
-        dist.all_reduce = all_reduce  # torch's hooks call dist.all_reduce through the package at call time
-
-    @contextmanager
-    def handed(self):
-        """Yields the list the block's all_reduce calls on this thread append (dtype, element count) to."""
-        self.local.handed = []
-        try:
-            yield self.local.handed
-        finally:
-            self.local.handed = None
-
-
-TAP = CollectiveTap()  # installed at import, before anything else wraps torch.distributed.all_reduce
 
 
 # ----------------------------------------------------------------------------- the witnesses (train.py)
@@ -154,6 +121,12 @@ class Witness:
         # a first backward's gradient became.
         self.own = torch.empty(start, dtype=torch.float64, device=device)
         self.own_arrived = set()
+        # Each parameter's slice of both, laid out as the parameter is (channels_last or not): its gradient is
+        # copied element for element by logical index, in memory order when the layouts agree.
+        self.flat_views, self.own_views = (
+            [buffer[part].as_strided(p.shape, p.stride()) for part, p in zip(self.slices, self.parameters)]
+            for buffer in (self.flat, self.own)
+        )
         # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
         self.trace = None
@@ -245,7 +218,7 @@ class Witness:
         """A parameter's gradient from this backward alone, before it is accumulated or synchronized: copied,
         projected with the others in one pass when the backward ends."""
         if self.pending is not None:
-            self.own[self.slices[index]].copy_(gradient.reshape(-1))
+            self.own_views[index].copy_(gradient)
             self.own_arrived.add(index)
 
     def on_step_begin(self, optimizer, args, kwargs):
@@ -274,7 +247,7 @@ class Witness:
         if len(held) < len(self.slices):
             self.flat.zero_()
         for index, gradient in held:
-            self.flat[self.slices[index]].copy_(gradient.reshape(-1))
+            self.flat_views[index].copy_(gradient)
         return self.project(self.flat), False
 
     def close_backward(self):

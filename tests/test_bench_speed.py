@@ -39,6 +39,7 @@ def test_the_table_is_floor_over_measured(bench):
     floor = record["floor_seconds_per_micro_batch"]
     assert set(floor) == {"train", "evaluate", "document loop", "lab loop", "lab loop without the checklist"}
     assert min(floor.values()) > 0 and 0 < record["checklist_hook_seconds_per_micro_batch"] < floor["lab loop"]
+    assert 0 < record["checklist_collective_seconds_per_micro_batch"] < floor["lab loop"]
     rows = {row["part"]: row for row in record["rows"]}
     tensor_training = rows["training, no_sync, tensor loader"]
     assert tensor_training["floor_seconds"] == floor["train"]
