@@ -38,10 +38,10 @@ ITEMS = (
 )
 # What shows each item in verify.py's table (docs/audit.md says more).
 WITNESSES = (
-    "process group size; every rank's host, device and pid",
+    "the ranks gathered: each its own process id and GPU UUID",
     "training forwards and their samples, per rank; the sampler's shards",
-    "samples through the forward per optimizer step, summed over ranks",
-    "gradient at the logits vs softmax - one-hot, per micro-batch",
+    "samples through the forward and the loss per step, over ranks",
+    "gradient at the logits vs the mean loss's, recomputed",
     "hook calls per backward; each backward added onto the last",
     "sync positions; synced gradient = mean of the ranks' local gradients",
     "optimizer step hooks; gradient resets seen at each backward and step",

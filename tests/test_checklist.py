@@ -40,7 +40,7 @@ def injected_runs(tmp_path_factory, image_data):
     out = tmp_path_factory.mktemp("bugs")
     scenarios = [
         f"{bug}:{way}:{mode}" for bug, (_, modes) in BUGS.items() for way, mode in zip(("loop", "beneath"), modes)
-    ] + [f"{LABEL_LIE}:loop:both", f"{LABEL_LIE}:beneath:both"]
+    ] + [f"{LABEL_LIE}:loop:both", f"{LABEL_LIE}:beneath:both", "none:loop:both:fp32"]
     result = torchrun(
         "tests/workers/checklist_bugs.py", out, *scenarios, "--", "--data-dir", image_data, *SMALL_RUN, timeout=1200
     )
@@ -180,3 +180,19 @@ def test_a_run_recorded_without_the_witnesses_is_refused(lab_runs, tmp_path):
     record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
     (artifacts / "no_sync" / "run.json").write_text(json.dumps(record))
     assert f"{path}: epoch row 2: checklist must hold the witnesses' observations" in refusal(verify(artifacts))
+
+
+def test_correct_runs_in_float32_pass_within_the_tighter_bounds(injected_runs):
+    """The lab unchanged, in float32 (what `auto` takes on a CPU without BF16 instructions): the loss scale read
+    within float32's bound, every item observed, AUDIT PASSED."""
+    artifacts = injected_runs / "none-loop-both"
+    result = verify(artifacts)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
+    bound, residual_bound = checklist.loss_scale_bounds(torch.float32)
+    for mode in ("every", "no_sync"):
+        assert read_json(artifacts / mode / "run.json")["config"]["precision"] == "fp32"
+        for row in read_json(artifacts / mode / "history.json"):
+            for seen in row["checklist"]["ranks"]:
+                assert seen["loss_scale_deviation"] <= bound and seen["loss_scale_residual"] <= residual_bound
+                assert seen["first_average_off"] is None and seen["altered_at"] == []

@@ -6,7 +6,7 @@ audited by tests/test_checklist.py: verify.py must refuse it, naming the checkli
     torchrun --nproc-per-node=2 tests/workers/checklist_bugs.py OUT BUG:WAY:MODE ... -- TRAIN_OPTIONS
 
 MODE is every, no_sync or both; each scenario trains into OUT/BUG-WAY-MODE/<mode> (compression_label_lies
-with --comm-hook bf16).
+with --comm-hook bf16; BUG:WAY:MODE:PRECISION with --precision PRECISION; BUG "none" in the loop is the lab).
 """
 
 import contextlib
@@ -72,9 +72,9 @@ LOOP_EDITS = {
 
 
 def loop_with(bug):
-    """train.py as a module, its source edited: each edit must match exactly once."""
+    """train.py as a module, its source edited: each edit must match exactly once (none for bug "none")."""
     source = (REPO / "train.py").read_text()
-    for old, new in LOOP_EDITS[bug]:
+    for old, new in LOOP_EDITS[bug] if bug != "none" else []:
         assert source.count(old) == 1, f"{bug}: {old!r} occurs {source.count(old)} times in train.py"
         source = source.replace(old, new)
     module = types.ModuleType(f"train_{bug}")
@@ -257,11 +257,12 @@ def main():
     out, scenarios, options = Path(sys.argv[1]), sys.argv[2:separator], sys.argv[separator + 1 :]
     place = launch.init_process_group(launch.launch_environment(2))
     for scenario in scenarios:
-        bug, way, modes = scenario.split(":")
+        bug, way, modes, *precision = scenario.split(":")
         module = loop_with(bug) if way == "loop" else train
         for mode in ("every", "no_sync") if modes == "both" else (modes,):
             output = out / f"{bug}-{way}-{modes}" / mode
             needs = ["--comm-hook", "bf16"] if bug == "compression_label_lies" else []
+            needs += ["--precision", *precision] if precision else []
             args = module.parse_args(["--mode", mode, "--output", str(output), "--quiet", *options, *needs])
             with beneath(bug) if way != "loop" else contextlib.nullcontext():
                 module.run(args, place)
