@@ -126,7 +126,8 @@ def check_history(path, mode, record, expected_config, sizes):
     )
     if len(history) != expected_config["epochs"]:
         raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}")
-    starts = resume.wrapper_starts(path, history, len(experiment.epoch_plan(expected_config)))
+    plan = experiment.epoch_plan(expected_config)
+    starts = resume.wrapper_starts(path, history, len(plan))
     for number, row in enumerate(history, start=1):
         check_finite(path, number, row)
         for key in ROW_INTEGERS:
@@ -143,7 +144,6 @@ def check_history(path, mode, record, expected_config, sizes):
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
         expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes, starts)
-        plan = experiment.epoch_plan(expected_config)
         # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts). Steps
         # only where the plan has them, repeated or missing, are a wrong count; anywhere else, a wrong place.
         steps_in_place = steps_at_planned_places(row, plan)
