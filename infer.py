@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from lab.data import IMAGE_SUFFIXES
+from lab.data import IMAGE_ERRORS, IMAGE_SUFFIXES
 from lab.precision import PRECISIONS, choose_precision
 from model import CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
@@ -95,7 +95,7 @@ def collect_images(paths):
 
 
 def read_image(path):
-    """The image as a normalized 3 x 32 x 32 tensor; OSError or ValueError with the reason if it cannot be."""
+    """The image as a normalized 3 x 32 x 32 tensor; one of IMAGE_ERRORS with the reason if it cannot be."""
     if path.stat().st_size == 0:
         raise ValueError("the file is empty")
     with warnings.catch_warnings():
@@ -153,7 +153,7 @@ def main():
             raise LabError(f"image not found: {path}")
         try:
             tensor = read_image(path)
-        except (OSError, ValueError) as error:
+        except IMAGE_ERRORS as error:
             raise LabError(f"{path}: not a readable image ({error})") from None
         print(json.dumps(prediction(classify(model, [tensor], device, precision)[0], args.top_k), indent=2))
         return 0
@@ -169,7 +169,7 @@ def main():
                 try:
                     tensors.append(read_image(path))
                     waiting.append(len(lines))
-                except (OSError, ValueError) as read_error:
+                except IMAGE_ERRORS as read_error:
                     error = f"not a readable image ({read_error})"
             lines.append({"path": str(path), "error": error})
         if tensors:

@@ -67,6 +67,7 @@ def parse_args(argv=None):
         help="a short last window: stop (error), or divide its losses by its own length (scale)")  # fmt: skip
     add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA with a GPU per process")
     add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
+    add("--gpu-backend", choices=launch.GPU_BACKENDS, default="nccl", help="gloo: CUDA ranks may share a GPU")
     add("--loader", choices=loaders.LOADERS, default="tensor", help="pil: the document's per-image pipeline")
     add("--activation-checkpointing", action="store_true", help="recompute the CNN's stages in the backward")
     add("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="bf16, fp16: compress the gradients")
@@ -79,7 +80,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")
-    return parser.parse_args(argv)
+    return experiment.in_range(parser, parser.parse_args(argv))
 
 
 # ----------------------------------------------------------------------------- DDP and its counting hook
@@ -205,7 +206,7 @@ def train_epoch(
         progress.update(index + 1, images)
         epoch.micro_batch = index + 1
         if micro_step.step and session is not None:
-            session.window_end(epoch, len(trace.step_positions))
+            session.window_end(epoch, len(trace.step_positions), last=index + 1 == len(plan))
     return totals, trace
 
 
@@ -323,8 +324,8 @@ def run(args, place):
             folder, args, config, confusion, majority, ddp_model.module, setup.source.test_images[0],
             (test_loss, test_accuracy), run_id, started_at,
         )  # fmt: skip
-        session.discard()  # everything is written: nothing left to resume (the saved state is not the run's)
-        folder.publish({**record, "launch_id": place.job})  # the torchrun job that made it (a restart reads it)
+        # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
+        folder.publish({**record, "launch_id": place.job, "segments": session.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     audit.settle_comm_hooks()
 

@@ -15,13 +15,15 @@ model's parameter and buffer sizes, both runs must share one configuration (only
 file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
 own confusion matrices. A run profiled with train.py --profile-windows K must show the profiler's c10d calls
 equal to the audit's in the profiled windows, rank by rank. A failure is one line naming the file and what is
-wrong (exit 1). On success it also draws curves.png and communication.png next to the run folders, and
-timeline.png when both runs were profiled.
+wrong (exit 1). On success it also draws curves.png and communication.png next to the run folders (or into
+--pictures DIR; on a read-only copy of the artifacts it says so in one line and draws none), and timeline.png
+when both runs were profiled.
 """
 
+import tempfile
 from pathlib import Path
 
-from lab import certify, checks, experiment, tables
+from lab import certify, checks, experiment, resume, tables
 from lab.cli import ArgumentParser, LabError, exit_with
 from lab.records import (
     CONFUSION_FILE,
@@ -47,7 +49,15 @@ def parse_args():
         action="store_true",
         help="expect the counts the runs' own recorded configuration implies, not the documented 5/100/400/100",
     )
-    return parser.parse_args()
+    parser.add_argument("--pictures", type=Path, metavar="DIR", help="draw the pictures here (default: --artifacts)")
+    args = parser.parse_args()
+    if args.pictures:  # asked for: refused now, before the audit, if they cannot be written there
+        try:
+            args.pictures.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.pictures).close()
+        except OSError as error:
+            parser.error(f"argument --pictures: {args.pictures} cannot be written ({error.strerror})")
+    return args
 
 
 def audit_run(folder, mode, record, expected_config, sizes, strict):
@@ -75,6 +85,9 @@ def main():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
         config = record["config"]
         print(f"  precision {config.get('precision')} on {', '.join(config.get('hardware') or ['?'])}")
+        moved = resume.moved_hardware(record)
+        if moved:
+            print(f"note: {mode}: {moved}")
         for note in describe_unfinished(artifacts / mode):
             print(
                 f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest"
@@ -106,11 +119,13 @@ def main():
     tables.print_tables(runs, config)
     tables.print_witness(runs)
     certify.print_checklist(runs)
-    timeline = tables.draw_pictures(artifacts, runs, records)
-    pictures = [artifacts / tables.CURVES_FILE, artifacts / tables.COMMUNICATION_FILE] + (
-        [timeline] if timeline else []
-    )
-    print(f"pictures: {', '.join(map(str, pictures))}")
+    folder = args.pictures or artifacts
+    try:
+        timeline = tables.draw_pictures(folder, runs, records)
+        pictures = [folder / tables.CURVES_FILE, folder / tables.COMMUNICATION_FILE] + ([timeline] if timeline else [])
+        print(f"pictures: {', '.join(map(str, pictures))}")
+    except OSError as error:  # a read-only copy (an archive, a shared mount): the audit holds all the same
+        print(f"pictures: not drawn, {folder} cannot be written ({error.strerror}); pass --pictures DIR to draw them")
     every_syncs = tables.total(runs["every"][0], "gradient_syncs")
     no_sync_syncs = tables.total(runs["no_sync"][0], "gradient_syncs")
     print(f"AUDIT PASSED: no_sync reduced gradient synchronizations by {every_syncs / no_sync_syncs:g}x")

@@ -161,7 +161,8 @@ def ranks_agree(before, parameters, group, stop_requested=False):
     gradients, parameters_before = before
     after = fingerprint(parameters)
     unchanged = (after[:2] == parameters_before[:2]).all()  # on the device: torch.equal would read it on the host
-    flags = torch.stack([unchanged.to(torch.int64), torch.tensor(int(stop_requested), device=unchanged.device)])
+    # The request as a fill on the device: a tensor made from a host value would be a host-to-device copy per step.
+    flags = torch.stack([unchanged.to(torch.int64), torch.full((), int(stop_requested), device=unchanged.device)])
     mine = torch.cat([gradients, after, flags])
     extremes = torch.cat([mine, -mine])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)

@@ -77,11 +77,16 @@ class DataSource:
         }
 
 
+# What Pillow raises for a file it cannot decode: OSError (UnidentifiedImageError, truncated data), SyntaxError
+# (a damaged PNG chunk: "broken PNG file"), ValueError, EOFError, and its refusal of a decompression bomb.
+IMAGE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
+
+
 def decode_cifar_image(path):
     try:
         with Image.open(path) as image:
             rgb = image.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
+    except IMAGE_ERRORS as error:
         raise LabError(f"{path}: not a readable image ({error}); remove or replace it") from None
     if rgb.size != (IMAGE_SIZE, IMAGE_SIZE):
         raise LabError(

@@ -11,6 +11,11 @@ from lab.cli import LabError
 MODES = ("every", "no_sync")
 PARTIAL_WINDOW_POLICIES = ("error", "scale")
 BUCKET_CAP_MB = 25.0  # explicit: DDP's default would cap the first bucket at 1 MiB and split the gradients in two
+# DDP holds the cap in bytes, int(MB * 2**20), as a signed 64-bit integer: caps from 2**43 MB on overflow it.
+BUCKET_CAP_MB_LIMIT = 2**43
+# torch's generators take seeds from 0 to 2**64 - 1; a run seeds rank r with seed + r and its sampler's epoch e
+# with seed + e. (Negative seeds alias large ones modulo 2**64, two names for one run: refused too.)
+SEED_LIMIT = 2**64
 # DDP's gradient communication hooks train.py offers: its own averaging all-reduce, torch's BF16 and FP16
 # compressions (cast, all-reduce, cast back), with the bytes each element costs on the wire.
 SENT_ELEMENT_BYTES = {"allreduce": 4, "bf16": 2, "fp16": 2}
@@ -79,6 +84,30 @@ class MicroStep:
     sync: bool
     loss_divisor: int
     step: bool
+
+
+def seed_range_error(seed, epochs, world_size):
+    """Why `seed` cannot seed a run of `epochs` epochs on `world_size` ranks, or None."""
+    highest = SEED_LIMIT - max(epochs, world_size)
+    if not 0 <= seed <= highest:
+        return (
+            f"must be from 0 to {highest} for {epochs} epochs on {world_size} ranks (torch seeds each rank and "
+            f"epoch with seed + its number, below 2**64), got {seed}"
+        )
+    return None
+
+
+def in_range(parser, args):
+    """train.py's options whose range depends on torch's limits or on other options, checked at parse time."""
+    seed_error = seed_range_error(args.seed, args.epochs, args.expected_world_size)
+    if seed_error:
+        parser.error(f"argument --seed: {seed_error}")
+    if not args.bucket_cap_mb < BUCKET_CAP_MB_LIMIT:
+        parser.error(
+            f"argument --bucket-cap-mb: must be below 2**43 = {BUCKET_CAP_MB_LIMIT} (DDP holds the cap in "
+            f"bytes as a 64-bit integer; any cap above the model's size makes one bucket), got {args.bucket_cap_mb:g}"
+        )
+    return args
 
 
 def window_plan(num_micro_batches, accum_steps, partial_window):

@@ -31,17 +31,16 @@ from lab.precision import choose_precision
 from lab.records import claim_output, is_replaceable_output
 
 SCRIPT = "train.py"
-# The start-up's group (gloo, on every device) waits up to 10 minutes for a stuck (alive but silent) peer, each
-# node's CIFAR-10 download (163 MB) included. On CPU the training collectives run in it too: a peer that dies
-# is noticed at once, as torchrun stops the other processes of its node and the closed gloo connections stop
-# the other nodes'.
+# The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
+# download included. On CPU the training runs in it too: a dead peer is noticed at once (torchrun stops its
+# node's other processes, whose closed gloo connections stop the other nodes').
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-# On GPUs the training collectives run over NCCL, whose survivors of a dead peer wait in their collective
-# until its timeout: 45 s for the training group (its collectives take milliseconds; the longest gap between
-# two is an evaluation pass), with NCCL's asynchronous error handling on, so that the watchdog ends the
-# process when it expires. A dead peer then ends a job on GPUs within a minute.
+# On GPUs the training collectives run over NCCL, whose survivors of a dead peer wait until its timeout: 45 s
+# (its collectives take milliseconds; the longest gap is an evaluation pass), with asynchronous error handling
+# on, so that the watchdog ends the process then. A dead peer ends a job on GPUs within a minute.
 NCCL_TIMEOUT = timedelta(seconds=45)
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+GPU_BACKENDS = ("nccl", "gloo")  # gloo carries CUDA tensors through host memory, and lets ranks share a GPU
 # Closing the process groups can hang: a gloo thread needs the GIL to drop a finished hook callback while the
 # main thread holds it, joining that thread. Beyond this many seconds a watchdog ends the process.
 TEARDOWN_SECONDS = 10
@@ -105,7 +104,7 @@ def node_device(local_world_size):
     return ("cuda" if visible >= local_world_size else "cpu"), visible
 
 
-def choose_device(requested, place):
+def choose_device(requested, place, gpu_backend="nccl"):
     """'cuda' or 'cpu': node_device's policy for --device auto; never NCCL quietly swapped for gloo."""
     policy, visible = node_device(place.local_world_size)
     if requested == "auto":
@@ -116,10 +115,12 @@ def choose_device(requested, place):
                 f"running on CPU with the gloo backend",
                 file=sys.stderr,
             )
-    if requested == "cuda" and visible < place.local_world_size:
+    shared = gpu_backend == "gloo" and visible > 0
+    if requested == "cuda" and visible < place.local_world_size and not shared:
         raise LabError(
             f"--device cuda needs one GPU per process: {place.local_world_size} processes on this node, {visible} "
-            f"GPU(s) visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU with --device cpu)"
+            f"GPU(s) visible (check nvidia-smi and CUDA_VISIBLE_DEVICES, run on CPU with --device cpu, or share the "
+            f"GPUs over gloo with --gpu-backend gloo)"
         )
     return requested
 
@@ -227,6 +228,7 @@ def shared_settings(args):
             "profile_windows",
             "resume",
             "checkpoint_every_windows",
+            "gpu_backend",
             *experiment.DDP_DEFAULTS,
         )
     }
@@ -253,7 +255,7 @@ def start_up(args, place):
     the seeded split and this rank's loaders. One call, before any training collective."""
 
     def settle_here():
-        device_type = choose_device(args.device, place)
+        device_type = choose_device(args.device, place, args.gpu_backend)
         # Only the rank that writes the artifacts touches the output folder.
         return device_type, check_output(args.output) if place.rank == 0 else None
 
@@ -286,9 +288,10 @@ def start_up(args, place):
         "its code or versions differ",
         "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node",
     )
-    if device_type == "cuda":
-        torch.cuda.set_device(place.local_rank)
-    device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
+    device = torch.device("cpu")
+    if device_type == "cuda":  # a GPU per process, or with --gpu-backend gloo processes sharing them in turn
+        device = torch.device("cuda", place.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     precision, hardware = agree_on_precision(args, place, device)
     # One process per node fetches the data for its node; the node's other processes wait here for it.
     agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 else None)
@@ -299,7 +302,7 @@ def start_up(args, place):
         f"its data in {args.data_dir}/ differ",
         "give every node the same copy of the dataset",
     )
-    group = training_group(device)
+    group = training_group(device, args.gpu_backend)
     seed_everything(args.seed + place.rank)
     split = data.make_split(source, args.seed, place.rank, place.world_size)
     rank_loaders = loaders.build_loaders(
@@ -309,10 +312,10 @@ def start_up(args, place):
     return Setup(device, group, backend, code, precision, hardware, output_claim, source, split, rank_loaders)
 
 
-def training_group(device):
-    """gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL, in a
-    group that gives up on a dead peer within a minute (NCCL_TIMEOUT). None: the default group (gloo)."""
-    if device.type != "cuda":
+def training_group(device, gpu_backend="nccl"):
+    """gloo carried the start-up exchange; on GPUs the training collectives (DDP, metrics) go over NCCL (unless
+    --gpu-backend gloo), in a group that gives up on a dead peer within a minute. None: the default group (gloo)."""
+    if device.type != "cuda" or gpu_backend == "gloo":
         return None
     for name, value in NCCL_ENVIRONMENT.items():
         os.environ.setdefault(name, value)  # read when the NCCL process group is made

@@ -48,11 +48,16 @@ def utc_now():
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+TEMPORARY_MARK = ".tmp-"  # in the name of write_atomic's temporary file: `.model.pt.tmp-<host>-<pid>-<chance>`
+
+
 def write_atomic(path, data):
     """Write bytes to path so that a reader sees the old file or the whole new one, never a part."""
     path = Path(path)
     # Unique across the nodes that may share the folder: host, pid (equal in containers) and chance.
-    temporary = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
+    temporary = path.with_name(
+        f".{path.name}{TEMPORARY_MARK}{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    )
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
@@ -110,6 +115,15 @@ def replaced_runs(output):
     return sorted(output.parent.glob(f".{output.name}.replaced-*"))
 
 
+PROFILE_TRACE_NAME = re.compile(re.escape(PROFILE_TRACE_FILE).replace(re.escape("{rank}"), "[0-9]+"))
+
+
+def is_artifact(name):
+    """A file a published run holds (a run folder also holds, while unfinished, its saved state and, after a
+    kill, temporary files: neither is ever published)."""
+    return name in {*RUN_FILES, RUN_RECORD_FILE, PROFILE_FILE} or bool(PROFILE_TRACE_NAME.fullmatch(name))
+
+
 def is_replaceable_output(output):
     """A folder train.py may replace: absent, empty, or holding nothing but lab artifacts."""
     output = Path(output)
@@ -117,9 +131,7 @@ def is_replaceable_output(output):
         return True
     if not output.is_dir():
         return False
-    allowed = set(RUN_FILES) | {RUN_RECORD_FILE, PROFILE_FILE}
-    trace = re.compile(re.escape(PROFILE_TRACE_FILE).replace(re.escape("{rank}"), "[0-9]+"))
-    return all(entry.name in allowed or trace.fullmatch(entry.name) for entry in output.iterdir())
+    return all(is_artifact(entry.name) for entry in output.iterdir())
 
 
 def claim_output(output):
@@ -147,16 +159,13 @@ def claim_output(output):
 class RunFolder:
     """The artifacts of one run, written into a hidden sibling folder and moved into place when complete.
 
-    While a run is going, `.every.partial-<run id>/` beside `every/` holds what it has written so far (its
-    history after each epoch). Publishing writes run.json last, with the size and SHA-256 of every file, and
-    renames the folder into place: a reader finds the previous complete run or the new complete run, never a
-    mix. A killed run leaves only its partial folder, which the next run into the same output removes (it holds
-    the output's lock, claim_output, so no partial folder it finds can belong to a live run).
-
-    Replacing a run takes two renames (the old folder aside as `.every.replaced-<new run id>`, the new one into
-    place) and a removal. A crash between them leaves both hidden folders and no `every/`; a crash during the
-    removal leaves part of the replaced folder. verify.py names each such leftover, and the next run into the
-    same output removes them before it starts.
+    While a run is going, `.every.partial-<run id>/` beside `every/` holds what it has written so far. Publishing
+    writes run.json there (the size and SHA-256 of every artifact; from then on the run is complete), removes
+    what is not an artifact (saved state, temporaries) and renames: the old folder aside as
+    `.every.replaced-<new run id>`, the new one into place, the old one removed. A reader finds one complete run,
+    never a mix. The next run into the output (holding its lock, claim_output, so nothing it finds is alive)
+    first finishes a publish a crash interrupted (publish_interrupted: a complete run is never lost or trained
+    again), then removes what dead runs left. verify.py names each such leftover.
     """
 
     def __init__(self, output, run_id):
@@ -165,12 +174,15 @@ class RunFolder:
         self.partial = self.output.parent / f".{self.output.name}.partial-{run_id}"
 
     def begin(self, resuming=False):
-        """Remove what dead runs left beside the output (the claim guarantees they are dead), and make this run's
-        partial folder; a resumed run keeps its own, with what it wrote before."""
+        """Remove what dead runs left beside the output (the claim guarantees they are dead; a complete one was
+        published before, publish_interrupted), and make this run's partial folder; a resumed run keeps its own,
+        with what it wrote before, less a killed write's temporaries."""
         for stale in unfinished_runs(self.output) + replaced_runs(self.output):
             if not (resuming and stale == self.partial):
                 shutil.rmtree(stale)
         self.partial.mkdir(parents=True, exist_ok=resuming)
+        for temporary in self.partial.glob(f".*{TEMPORARY_MARK}*"):
+            temporary.unlink()
 
     def write(self, name, data):
         write_atomic(self.partial / name, data)
@@ -179,15 +191,35 @@ class RunFolder:
         files = {
             path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
             for path in sorted(self.partial.iterdir())
+            if is_artifact(path.name)
         }
-        self.write(RUN_RECORD_FILE, json_bytes({**record, "files": files}))
-        replaced = None
-        if self.output.exists():
-            replaced = self.output.parent / f".{self.output.name}.replaced-{self.run_id}"
-            os.rename(self.output, replaced)
-        os.rename(self.partial, self.output)
-        if replaced is not None:
-            shutil.rmtree(replaced)
+        self.write(RUN_RECORD_FILE, json_bytes({**record, "files": files}))  # from here on the run is complete
+        move_into_place(self.partial, self.output)
+
+
+def move_into_place(partial, output):
+    """A complete run's partial folder (run.json written) made the output: what is not an artifact removed,
+    the previous output set aside, the run renamed into place, the previous one removed."""
+    for path in partial.iterdir():
+        if not is_artifact(path.name):
+            path.unlink()
+    if output.exists():
+        os.rename(output, output.parent / f".{output.name}.replaced-{partial.name.rsplit('.partial-', 1)[-1]}")
+    os.rename(partial, output)
+    for replaced in replaced_runs(output):
+        shutil.rmtree(replaced)
+
+
+def publish_interrupted(output):
+    """Finish the publish of a complete run (its partial folder holds run.json) that a kill interrupted, before
+    anything else into `output` (the caller holds its claim). Returns that run's record, or None."""
+    output = Path(output)
+    complete = [partial for partial in unfinished_runs(output) if (partial / RUN_RECORD_FILE).is_file()]
+    if not complete:
+        return None
+    newest = max(complete, key=lambda partial: (partial / RUN_RECORD_FILE).stat().st_mtime)
+    move_into_place(newest, output)
+    return read_json(output / RUN_RECORD_FILE)
 
 
 # ----------------------------------------------------------------------------- the run's configuration, rows and results

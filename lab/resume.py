@@ -5,14 +5,16 @@
     torchrun --max-restarts=3 ... train.py ...   restarted workers resume by themselves
 
 The state is saved at every epoch's end (and, with --checkpoint-every-windows N, at every Nth window's end,
-never inside a window, where gradients are half accumulated): the model, the optimizer and the scheduler;
-every rank's BatchNorm buffers, random states (Python, torch, CUDA, the tensor loader's generator), the
-audit's running totals and the epoch's progress so far; the history so far. Rank 0 gathers it into the run's
-partial folder: resume_state.pt written atomically, then resume_state.json with its size and SHA-256, so that
-the newest complete save wins and a save cut short is never read. A resumed run takes the same run id and
-partial folder, refuses another configuration (code, versions, data and precision included) with one line,
-and marks in its history where it resumed; verify.py expects what the restart costs (a new DDP wrapper
-broadcasts the buffers before its first forward and rebuilds its buckets once).
+never inside a window, where gradients are half accumulated; the epoch's last window saves at the epoch's
+end, after its validation): the model, the optimizer and the scheduler; every rank's BatchNorm buffers, random
+states (Python, torch, CUDA, the tensor loader's generator), the audit's running totals and the epoch's
+progress so far; the history so far; the hardware of each segment of the run. Rank 0 gathers it into the run's
+partial folder as save number N: resume_state-N.pt written atomically, then resume_state-N.json with its
+size and SHA-256, then the earlier saves removed. A kill at any instant leaves at least one complete save; the
+newest whose record landed wins, and a state without its record is never read. A resumed run takes the same
+run id and partial folder, refuses another configuration (the mode, code, versions, data and precision
+included) with one line, and marks in its history where it resumed; verify.py expects what the restart costs
+(a new DDP wrapper broadcasts the buffers before its first forward and rebuilds its buckets once).
 
 On SIGTERM (a scheduler's preemption) the ranks agree to stop at a window's end (on CPU the next one; on GPUs,
 where reading the agreement each window would stall the device, the next save: the epoch's end, or the next
@@ -25,6 +27,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -38,8 +41,9 @@ from lab.audit import EpochTrace
 from lab.cli import LabError
 from lab.launch import agree
 
-STATE_FILE = "resume_state.pt"
-STATE_RECORD = "resume_state.json"  # written after the state: its size, SHA-256 and position
+STATE_FILE = "resume_state-{number:06d}.pt"  # save number N
+STATE_RECORD = "resume_state-{number:06d}.json"  # written after its state: its size, SHA-256 and position
+SAVED_NAME = re.compile(r"resume_state-([0-9]+)\.(pt|json)")
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; run again with --resume
 RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"  # torchrun's count of its restarts of the worker group
 UNCHECKED_CONFIG = {"hardware"}  # what a resumed run may change: the machines it runs on
@@ -71,28 +75,44 @@ class EpochState:
     resumed_at: list = field(default_factory=list)  # micro-batches where this epoch's training resumed
 
 
-def finished_in_this_job(output, job, config):
-    """The run id of the run this torchrun job published in `output` (run.json's launch_id is this job's
-    token, its configuration this one), or None: a restart that finds it has nothing left to do (the job failed
-    after the publish, e.g. in its teardown)."""
+def differences(saved, ours):
+    """What differs between two configurations (the mode in them), as JSON holds them, but the hardware."""
+    ours = json.loads(records.json_bytes(ours))
+    keys = sorted((set(saved) | set(ours)) - UNCHECKED_CONFIG)
+    return [f"{key} {saved.get(key)!r} vs {ours.get(key)!r}" for key in keys if saved.get(key) != ours.get(key)]
+
+
+def finished_run(output, identity, job=None):
+    """The run id of the run published in `output` with this configuration and mode (`identity`), by this
+    torchrun job when `job` is given (run.json's launch_id), or None: a restart or --resume that finds the run
+    done has nothing left to do (the job failed after the publish, e.g. in its teardown)."""
     path = output / records.RUN_RECORD_FILE
     if not path.is_file():
         return None
-    record, ours = records.read_json(path), json.loads(records.json_bytes(config))  # compared as JSON holds them
-    keys = (set(record["config"]) | set(ours)) - UNCHECKED_CONFIG
-    same = record.get("launch_id") == job and all(record["config"].get(key) == ours.get(key) for key in keys)
-    return record.get("run_id") if same else None
+    record = records.read_json(path)
+    same = not differences({**record["config"], "mode": record.get("mode")}, identity)
+    return record.get("run_id") if same and job in (None, record.get("launch_id")) else None
+
+
+def saves(folder):
+    """The numbers of the saves whose record landed in `folder`, oldest first."""
+    return sorted(
+        int(match[1]) for path in folder.iterdir() if (match := SAVED_NAME.fullmatch(path.name)) and match[2] == "json"
+    )
 
 
 def unfinished_with_state(output):
     """The newest unfinished run beside `output` holding a complete saved state, or None."""
-    candidates = [folder for folder in records.unfinished_runs(output) if (folder / STATE_RECORD).is_file()]
-    return max(candidates, key=lambda folder: (folder / STATE_RECORD).stat().st_mtime, default=None)
+    candidates = [folder for folder in records.unfinished_runs(output) if saves(folder)]
+    newest = lambda folder: (folder / STATE_RECORD.format(number=saves(folder)[-1])).stat().st_mtime  # noqa: E731
+    return max(candidates, key=newest, default=None)
 
 
 def read_state(folder):
-    """An unfinished run's saved state, checked against its record: one line if it was cut short or altered."""
-    record_path, state_path = folder / STATE_RECORD, folder / STATE_FILE
+    """An unfinished run's newest complete save and its number, checked against its record: one line if it was
+    cut short or altered after its record landed."""
+    number = saves(folder)[-1]
+    record_path, state_path = folder / STATE_RECORD.format(number=number), folder / STATE_FILE.format(number=number)
     record = records.read_json(record_path)
     entry = record.get("state") if isinstance(record, dict) else None
     if not isinstance(entry, dict) or not state_path.is_file():
@@ -102,7 +122,7 @@ def read_state(folder):
             f"{state_path} is not the state {record_path} recorded (its size or SHA-256 differs: cut short or "
             f"altered): remove {folder}, or start anew without --resume"
         )
-    return torch.load(state_path, map_location="cpu", weights_only=False)
+    return torch.load(state_path, map_location="cpu", weights_only=False), number
 
 
 def rng_states(device):
@@ -147,7 +167,8 @@ class Session:
     """One run's saves: whether it resumes and from what, each save, and SIGTERM turned into a stop."""
 
     def __init__(self, args, place, config, device):
-        self.place, self.config, self.device = place, config, device
+        self.place, self.device = place, device
+        self.identity = {**config, "mode": args.mode}  # what a resumed run must share with the saved one
         self.every_windows = args.checkpoint_every_windows
         self.stop_requested = False
         self.first_sigterm = None
@@ -158,18 +179,20 @@ class Session:
         dist.all_reduce(restarted, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
 
         def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
-            if place.rank != 0 or not (args.resume or restarted.item()):
+            if place.rank != 0:
+                return None
+            published = records.publish_interrupted(args.output)  # a complete run is never lost or retrained
+            if published:
+                print(f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
+                      f"{args.output}", file=sys.stderr)  # fmt: skip
+            if not (args.resume or restarted.item()):
                 return None
             folder = unfinished_with_state(args.output)
             if folder is None:
-                return finished_in_this_job(args.output, place.job, config) if restarted.item() else None
-            state = read_state(folder)
-            keys = sorted((set(state["config"]) | set(config)) - UNCHECKED_CONFIG)
-            differ = [
-                f"{key} {state['config'].get(key)!r} vs {config.get(key)!r}"
-                for key in keys
-                if state["config"].get(key) != config.get(key)
-            ]
+                job = None if published or args.resume else place.job  # a restart: only this job's own run
+                return finished_run(args.output, self.identity, job)
+            state, self.save_number = read_state(folder)
+            differ = differences(state["config"], self.identity)
             if differ:
                 raise LabError(
                     f"--resume: the unfinished run in {folder} was started with another configuration "
@@ -178,15 +201,19 @@ class Session:
                 )
             return state
 
+        self.save_number = 0  # the save resumed from (saved_state): the next save is the next number
         holder = [agree(place, saved_state)]
         dist.broadcast_object_list(holder, src=0)  # every rank resumes, or none does
         found = holder[0]
         self.finished_run_id = found if isinstance(found, str) else None
         self.state = found if isinstance(found, dict) else None
+        where = self.state["epochs"][place.rank] if self.state else EpochState(1)
+        # The hardware of each segment of the run: bit-identity across a change of hardware is not promised.
+        segment = {"hardware": config["hardware"], "epoch": where.number, "micro_batch": where.micro_batch}
+        self.segments = (self.state["segments"] if self.state else []) + [segment]
         if self.finished_run_id and place.local_rank == 0:
-            print(f"train.py: run {self.finished_run_id} finished in this job; nothing left to do", file=sys.stderr)
+            print(f"train.py: run {self.finished_run_id} is finished; nothing left to do", file=sys.stderr)
         if self.state and place.local_rank == 0:
-            where = self.state["epochs"][place.rank]
             print(
                 f"train.py: resuming run {self.state['run_id']} at epoch {where.number}, micro-batch "
                 f"{where.micro_batch}, from its saved state",
@@ -241,9 +268,13 @@ class Session:
         self.history[:] = state["history"]
         return epoch
 
-    def window_end(self, epoch, window):
+    def window_end(self, epoch, window, last):
         """At the end of the epoch's `window`th window (1-based): save when --checkpoint-every-windows says so,
-        and stop when a rank asked (the step's agreement carried the request). Raises Preempted to stop."""
+        and stop when a rank asked (the step's agreement carried the request). Raises Preempted to stop. The
+        epoch's `last` window leaves both to the epoch's end, a validation later (a state saved there would
+        resume into the validation, with a DDP wrapper whose first forward is not a training one)."""
+        if last:
+            return
         due = bool(self.every_windows) and window % self.every_windows == 0
         readable = due or self.device.type == "cpu"  # on GPUs a read here would stall the device
         stop = readable and bool(epoch.trace.agreement[-1][5])
@@ -261,11 +292,6 @@ class Session:
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
         if stop.item():
             raise Preempted(f"preempted after epoch {next_epoch.number - 1}: its state is saved; resume with --resume")
-
-    def discard(self):
-        """Rank 0, once the run is complete: its saved state goes (nothing is left to resume)."""
-        for name in (STATE_RECORD, STATE_FILE):  # the record first: no record names a missing state
-            (self.folder.partial / name).unlink(missing_ok=True)
 
     def save(self, epoch):
         """Gather every rank's part to rank 0, which writes the state, then its record (with the save's bytes and
@@ -286,7 +312,8 @@ class Session:
             return
         state = {
             "run_id": self.folder.run_id,
-            "config": self.config,
+            "config": self.identity,
+            "segments": self.segments,
             "history": self.history,
             "model": to_cpu(ddp_model.module.state_dict()),
             "optimizer": to_cpu(optimizer.state_dict()),
@@ -295,11 +322,29 @@ class Session:
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        self.folder.write(STATE_FILE, buffer.getvalue())
-        entry = {"bytes": buffer.tell(), "sha256": records.sha256_file(self.folder.partial / STATE_FILE)}
+        self.save_number += 1
+        state_name, record_name = (name.format(number=self.save_number) for name in (STATE_FILE, STATE_RECORD))
+        self.folder.write(state_name, buffer.getvalue())
+        entry = {"bytes": buffer.tell(), "sha256": records.sha256_file(self.folder.partial / state_name)}
         where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": records.utc_now()}
         where["seconds"] = time.perf_counter() - started
-        self.folder.write(STATE_RECORD, records.json_bytes({"state": entry, **where}))
+        self.folder.write(record_name, records.json_bytes({"state": entry, **where}))
+        # This save is complete: the earlier ones, and a killed save's state without its record, go.
+        for path in self.folder.partial.iterdir():
+            if SAVED_NAME.fullmatch(path.name) and path.name not in (state_name, record_name):
+                path.unlink()
+
+
+def moved_hardware(record):
+    """verify.py's note when the run's segments (run.json) ran on different hardware, else None."""
+    segments = record.get("segments") or []
+    if len({tuple(segment["hardware"]) for segment in segments}) < 2:
+        return None
+    parts = [f"from epoch {s['epoch']}, micro-batch {s['micro_batch']}: {', '.join(s['hardware'])}" for s in segments]
+    return (
+        f"run {record['run_id']} resumed on other hardware ({'; '.join(parts)}): it is the same computation, but "
+        f"bit-identity with an uninterrupted run is not promised across hardware"
+    )
 
 
 def wrapper_starts(path, history, micro_batches):

@@ -1,6 +1,6 @@
 """What verify.py prints and draws once every check has held: the document's table, the communication and
 memory tables, the profiler's witness beside the audit, and the pictures (curves, communication, timeline)
-next to the run folders.
+next to the run folders (or in the folder verify.py --pictures names).
 """
 
 import json
@@ -124,8 +124,8 @@ def first_window(profile, accum_steps):
     return lanes
 
 
-def draw_timeline(artifacts, runs, records, text):
-    path = artifacts / TIMELINE_FILE
+def draw_timeline(folder, runs, records, text):
+    path = folder / TIMELINE_FILE
     unprofiled = [mode for mode, (_, _, profile) in runs.items() if profile is None]
     if unprofiled:
         if len(unprofiled) < len(runs):
@@ -151,7 +151,7 @@ def draw_timeline(artifacts, runs, records, text):
     return path
 
 
-def draw_pictures(artifacts, runs, records):
+def draw_pictures(folder, runs, records):
     text = {"run_ids": json.dumps({mode: record["run_id"] for mode, record in records.items()})}
     curves = []
     for metric, label in (("loss", "cross-entropy loss"), ("accuracy", "accuracy")):
@@ -167,7 +167,7 @@ def draw_pictures(artifacts, runs, records):
         ]
         curves.append({"title": f"{metric} per epoch", "y_label": label, "series": series})
     image, data = pictures.line_panels("Training curves: every vs no_sync (validation dashed)", curves)
-    write_atomic(artifacts / CURVES_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
+    write_atomic(folder / CURVES_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
 
     panels = [
         ("gradient_syncs", "gradient syncs per epoch", "syncs", 1),
@@ -184,5 +184,5 @@ def draw_pictures(artifacts, runs, records):
         for key, title, unit, scale in panels
     ]
     image, data = pictures.bar_panels("Communication: every vs no_sync", bars)
-    write_atomic(artifacts / COMMUNICATION_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
-    return draw_timeline(artifacts, runs, records, text)
+    write_atomic(folder / COMMUNICATION_FILE, png_bytes(image, {**text, "data": json.dumps(data)}))
+    return draw_timeline(folder, runs, records, text)

@@ -14,9 +14,11 @@ import json
 import os
 import runpy
 import shutil
+import struct
 import subprocess
 import sys
 import traceback
+import zlib
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,26 @@ def assert_train_error(result, *fragments):
 
 def md5_sums(folder):
     return {path.name: hashlib.md5(path.read_bytes()).hexdigest() for path in Path(folder).iterdir()}
+
+
+def write_png_with_a_damaged_chunk(path):
+    """A PNG whose image data is split over two IDAT chunks, the second's type damaged (b"ID#T"): Pillow opens it
+    and raises SyntaxError ("broken PNG file") only as it decodes."""
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.effect_noise((32, 32), 60).convert("RGB").save(encoded, format="PNG")
+    content = encoded.getvalue()
+    start = content.index(b"IDAT") - 4
+    (length,) = struct.unpack(">I", content[start : start + 4])
+    payload = content[start + 8 : start + 8 + length]
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    half = len(payload) // 2
+    damaged = chunk(b"IDAT", payload[:half]) + chunk(b"ID#T", payload[half:])
+    Path(path).write_bytes(content[:start] + damaged + content[start + 12 + length :])
 
 
 def copy_runs(artifacts, destination):

@@ -307,5 +307,5 @@ def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(ima
     report_lines = [json.loads(line) for line in result.stdout.splitlines() if '"model_test_accuracy"' in line]
     record = read_json(output / records.RUN_RECORD_FILE)
     assert len(report_lines) == 1 and report_lines[0]["run_id"] == record["run_id"]
-    assert f"train.py: run {record['run_id']} finished in this job; nothing left to do" in stderr_lines(result)
+    assert f"train.py: run {record['run_id']} is finished; nothing left to do" in stderr_lines(result)
     assert "resuming" not in result.stderr

@@ -9,7 +9,15 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
-from conftest import SOURCE_IMAGES, TEST_IMAGES, assert_train_error, md5_sums, subprocess_env, verify
+from conftest import (
+    SOURCE_IMAGES,
+    TEST_IMAGES,
+    assert_train_error,
+    md5_sums,
+    subprocess_env,
+    verify,
+    write_png_with_a_damaged_chunk,
+)
 from conftest import train as run_train
 from lab import cli, data
 from tools import synthetic_data
@@ -76,6 +84,7 @@ def test_a_jpeg_image_folder_tree_loads(tmp_path):
         ("unknown_folder", ("has folders that are not CIFAR-10 classes: kittens",)),
         ("empty_class", ("holds no PNG or JPEG images",)),
         ("text_as_png", ("not a readable image", "remove or replace it")),
+        ("damaged_chunk", ("damaged.png: not a readable image (broken PNG file", "remove or replace it")),
         ("wrong_size", ("64x64 pixels, CIFAR-10 images are 32x32",)),
         ("no_test_split", ("test is missing",)),
     ],
@@ -92,6 +101,8 @@ def test_unusable_image_folders_are_named_with_the_remedy(tmp_path, damage, frag
             path.unlink()
     elif damage == "text_as_png":
         (root / "train" / "cat" / "notes.png").write_text("not an image")
+    elif damage == "damaged_chunk":
+        write_png_with_a_damaged_chunk(root / "train" / "cat" / "damaged.png")
     elif damage == "wrong_size":
         Image.new("RGB", (64, 64)).save(root / "train" / "cat" / "big.png")
     elif damage == "no_test_split":

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import TEST_IMAGES, assert_one_line_error, read_json, run_in_process
+from conftest import TEST_IMAGES, assert_one_line_error, read_json, run_in_process, write_png_with_a_damaged_chunk
 from model import CLASSES
 
 
@@ -95,10 +95,25 @@ def test_bad_files_are_reported_on_their_own_lines_and_the_rest_go_on(checkpoint
     assert "refused, too many pixels" in errors["huge.png"]
 
 
+def test_a_png_with_a_damaged_chunk_is_one_line_and_the_good_image_is_classified(checkpoint, tmp_path):
+    """Pillow raises SyntaxError, not OSError, for a damaged chunk: still one error line for that file."""
+    Image.new("RGB", (32, 32), "green").save(tmp_path / "a_good.png")
+    write_png_with_a_damaged_chunk(tmp_path / "b_damaged.png")
+    result = infer(checkpoint, tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    good, damaged = (json.loads(line) for line in result.stdout.splitlines())
+    assert good["path"] == str(tmp_path / "a_good.png") and good["class"] in CLASSES
+    assert damaged == {
+        "path": str(tmp_path / "b_damaged.png"),
+        "error": "not a readable image (broken PNG file (chunk b'ID#T'))",
+    }
+
+
 @pytest.mark.parametrize(
     "make, fragment",
     [
         (lambda path: None, "image not found:"),
+        (write_png_with_a_damaged_chunk, "not a readable image (broken PNG file"),
         (lambda path: path.write_bytes(b""), "not a readable image (the file is empty)"),
         (lambda path: path.write_text("just text"), "not a readable image (cannot identify image file"),
         (lambda path: png_header_only(path, 20_000, 20_000), "could be decompression bomb"),

@@ -1,6 +1,7 @@
 """A stopped run resumes where it stopped, bit for bit: a worker killed under torchrun --max-restarts, a
-launcher stopped by SIGTERM (a scheduler's preemption) and started again with --resume, two nodes restarted;
-and a saved state that was altered, or another configuration, is refused with one line."""
+launcher stopped by SIGTERM (a scheduler's preemption) and started again with --resume, two nodes restarted,
+kills at every boundary (tests/inject/sitecustomize.py's LAB_TEST_KILL_AT, beneath the lab's code); and a
+saved state that was altered, or another configuration or mode, is refused with one line."""
 
 import os
 import shutil
@@ -17,6 +18,7 @@ from conftest import (
     assert_train_error,
     read_json,
     start_train,
+    subprocess_env,
     train,
     verify,
 )
@@ -50,6 +52,12 @@ def wait_for(launcher, fragment):
 def outcome(launcher, timeout=300):
     stdout, rest = launcher.communicate(timeout=timeout)
     return launcher.returncode, stdout, rest
+
+
+def newest_save(partial):
+    """The newest complete save in an unfinished run's folder: (its state file, its record)."""
+    number = resume.saves(partial)[-1]
+    return (partial / name.format(number=number) for name in (resume.STATE_FILE, resume.STATE_RECORD))
 
 
 def same_run(first, second):
@@ -129,9 +137,11 @@ def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted
     assert lines == ["train.py: preempted at epoch 2, window 2: its state is saved; resume with --resume"]
     assert code != 0  # torchrun reports the signal it got; the ranks exited with resume.PREEMPTED_EXIT_CODE
     (partial,) = records.unfinished_runs(output)
-    saved = read_json(partial / resume.STATE_RECORD)
+    state, record = newest_save(partial)
+    saved = read_json(record)
     assert (saved["epoch"], saved["micro_batch"]) == (2, 8)
-    assert saved["state"]["bytes"] == (partial / resume.STATE_FILE).stat().st_size
+    assert saved["state"]["bytes"] == state.stat().st_size
+    assert sorted(path.name for path in partial.glob("resume_state*")) == sorted([state.name, record.name])  # one save kept
     assert not output.exists()
 
 
@@ -157,15 +167,13 @@ def preempted_copy(preempted, tmp_path):
 @pytest.mark.parametrize("damage", ["truncated", "altered"])
 def test_a_saved_state_cut_short_or_altered_is_refused(preempted, image_data, tmp_path, damage):
     output, partial = preempted_copy(preempted, tmp_path)
-    state = partial / resume.STATE_FILE
+    state, record = newest_save(partial)
     content = state.read_bytes()
     state.write_bytes(
         content[: len(content) // 2] if damage == "truncated" else content[:-1] + bytes([content[-1] ^ 1])
     )
     result = train(image_data, output, "no_sync", *EPOCHS, "--resume", "--quiet")
-    assert_train_error(
-        result, f"{state} is not the state {partial / resume.STATE_RECORD} recorded", "cut short or altered"
-    )
+    assert_train_error(result, f"{state} is not the state {record} recorded", "cut short or altered")
     assert state.is_file()  # refused, nothing removed
 
 
@@ -214,13 +222,99 @@ def test_two_nodes_restarted_after_one_dies_finish_and_pass_the_audit(uninterrup
 
 
 def test_only_this_job_and_this_configuration_count_as_finished(tmp_path):
-    """A restart skips training only for the run its own torchrun job published with its own configuration: a
-    later job (another token, even with the same --rdzv-id) or other options train again."""
-    config = {"mode": "every", "epochs": 2, "hardware": ["CPU AVX2"]}
+    """A restart skips training only for the run its own torchrun job published with its own configuration and
+    mode: a later job (another token, even with the same --rdzv-id), other options or the other mode train
+    again; --resume (no job named) takes any job's."""
+    config = {"epochs": 2, "hardware": ["CPU AVX2"]}
     (tmp_path / records.RUN_RECORD_FILE).write_bytes(
-        records.json_bytes({"run_id": "r1", "config": config, "launch_id": "job-a"})
+        records.json_bytes({"run_id": "r1", "mode": "every", "config": config, "launch_id": "job-a"})
     )
-    assert resume.finished_in_this_job(tmp_path, "job-a", {**config, "hardware": ["CPU AVX512"]}) == "r1"
-    assert resume.finished_in_this_job(tmp_path, "job-b", config) is None
-    assert resume.finished_in_this_job(tmp_path, "job-a", {**config, "epochs": 3}) is None
-    assert resume.finished_in_this_job(tmp_path / "nothing", "job-a", config) is None
+    ours = {**config, "mode": "every"}
+    assert resume.finished_run(tmp_path, {**ours, "hardware": ["CPU AVX512"]}, "job-a") == "r1"
+    assert resume.finished_run(tmp_path, ours) == "r1"
+    assert resume.finished_run(tmp_path, ours, "job-b") is None
+    assert resume.finished_run(tmp_path, {**ours, "epochs": 3}, "job-a") is None
+    assert resume.finished_run(tmp_path, {**ours, "mode": "no_sync"}) is None
+    assert resume.finished_run(tmp_path / "nothing", ours, "job-a") is None
+
+
+# ----------------------------------------------------------------------------- every boundary
+
+
+def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_is_finished(
+    uninterrupted, image_data, tmp_path
+):
+    """One torchrun job whose worker is killed (SIGKILL, beneath the lab's code) at a new place in each start:
+    after the first window's save; inside the epoch's last save, between its state file and its record (the
+    earlier save is kept and wins); right after an epoch's end save; during a validation (after the epoch's last
+    window, which leaves its save to the epoch's end); during the test evaluation; between publish's two renames.
+    Each restart resumes from the newest complete save; the last one finds the run complete, publishes it and
+    trains nothing. The run equals the uninterrupted one and passes verify.py."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(uninterrupted, artifacts)  # an earlier no_sync run in the output: the publish replaces it
+    previous = read_json(artifacts / "no_sync" / records.RUN_RECORD_FILE)["run_id"]
+    kills = "saved:1,saving:4,saved:1,eval:1,eval:3,publish"
+    result = train(
+        image_data, artifacts / "no_sync", "no_sync", *EPOCHS, "--checkpoint-every-windows", "1", "--quiet",
+        env=subprocess_env(LAB_TEST_KILL_AT=kills), launcher=["--max-restarts=6"],
+    )  # fmt: skip
+    assert_ok(result)
+    resumed = [line.split(" at ")[1] for line in result.stderr.splitlines() if line.startswith("train.py: resuming")]
+    assert resumed == [
+        f"epoch {epoch}, micro-batch {index}, from its saved state"
+        for epoch, index in [(1, 4), (1, 16), (2, 0), (2, 16), (4, 0)]
+    ]
+    record = read_json(artifacts / "no_sync" / records.RUN_RECORD_FILE)
+    assert record["run_id"] != previous
+    assert f"train.py: run {record['run_id']} was complete but not yet in place; published it into " in result.stderr
+    assert f"train.py: run {record['run_id']} is finished; nothing left to do" in result.stderr
+    assert sorted(path.name for path in artifacts.iterdir()) == [".every.lock", ".no_sync.lock", "every", "no_sync"]
+    assert all(records.is_artifact(path.name) for path in (artifacts / "no_sync").iterdir())
+    history = same_run(uninterrupted / "no_sync", artifacts / "no_sync")
+    assert [row["resumed_at"] for row in history] == [[4, 16], [0, 16], []]
+    assert [(segment["epoch"], segment["micro_batch"]) for segment in record["segments"]] == [
+        (1, 0), (1, 4), (1, 16), (2, 0), (2, 16), (4, 0)
+    ]  # fmt: skip
+    checked = verify(artifacts)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "note:" not in checked.stdout  # one machine: no change of hardware to note
+
+
+def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into_the_same_run(
+    uninterrupted, image_data, tmp_path
+):
+    """SIGTERM (rank 0's, beneath the lab) in the last window of epoch 2 stops the run after that epoch's
+    validation, saved; a resume in the other mode or with another DDP lever is refused; a temporary file a
+    killed write left is never published; the resumed run is the uninterrupted one, and verify.py notes a
+    change of hardware between its segments."""
+    artifacts = tmp_path / "artifacts"
+    output = artifacts / "no_sync"
+    stopped = train(image_data, output, "no_sync", *EPOCHS, "--quiet", env=subprocess_env(LAB_TEST_KILL_AT="term:38"))
+    assert stopped.returncode != 0
+    assert "train.py: preempted after epoch 2: its state is saved; resume with --resume" in stopped.stderr
+    (partial,) = records.unfinished_runs(output)
+    _, record = newest_save(partial)
+    assert (read_json(record)["epoch"], read_json(record)["micro_batch"]) == (3, 0)
+    for mode, lever, difference in [
+        ("every", [], "mode 'no_sync' vs 'every'"),
+        ("no_sync", ["--bucket-cap-mb", "1"], "bucket_cap_mb 25.0 vs 1.0"),
+    ]:
+        refused = train(image_data, output, mode, *EPOCHS, "--resume", "--quiet", *lever)
+        message = f"--resume: the unfinished run in {partial} was started with another configuration ({difference})"
+        assert_train_error(refused, message)
+    (partial / ".history.json.tmp-host-1-0a0b0c0d").write_bytes(b"half a writ")  # a write killed before its rename
+    assert_ok(train(image_data, output, "no_sync", *EPOCHS, "--resume", "--quiet"))
+    assert all(records.is_artifact(path.name) for path in output.iterdir())
+    history = same_run(uninterrupted / "no_sync", output)
+    assert [row["resumed_at"] for row in history] == [[], [], [0]]
+    shutil.copytree(uninterrupted / "every", artifacts / "every")
+    run_record = read_json(output / records.RUN_RECORD_FILE)
+    run_record["segments"][0]["hardware"] = ["CPU AVX2"]  # as if it had started on another machine
+    (output / records.RUN_RECORD_FILE).write_bytes(records.json_bytes(run_record))
+    checked = verify(artifacts)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert (
+        f"note: no_sync: run {run_record['run_id']} resumed on other hardware (from epoch 1, micro-batch 0: CPU AVX2; "
+        f"from epoch 3, micro-batch 0: {', '.join(run_record['config']['hardware'])}): it is the same computation, "
+        "but bit-identity with an uninterrupted run is not promised across hardware"
+    ) in checked.stdout

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import ArgumentParser, LabError, exit_with, positive_int  # noqa: E402
+from lab.cli import ArgumentParser, LabError, exit_with, non_negative_int, positive_int  # noqa: E402
 from lab.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER  # noqa: E402
 from model import CLASSES, IMAGE_SIZE  # noqa: E402
 
@@ -105,7 +105,7 @@ def main():
     parser.add_argument("--layout", choices=LAYOUTS, default="image-folders")
     parser.add_argument("--train-source", type=positive_int, default=2000, help="images split into train/validation")
     parser.add_argument("--test", type=positive_int, default=500)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     args = parser.parse_args()
     try:
         write_dataset(args.out, args.layout, args.train_source, args.test, args.seed)

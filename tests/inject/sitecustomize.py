@@ -29,6 +29,13 @@ LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads
   first start only: a restart closes them).
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
+LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: torchrun's
+  TORCHELASTIC_RESTART_COUNT; "-" for none): the process that reaches the point ends at once by SIGKILL, as a
+  machine lost there, beneath the lab's code: "saved:<n>" after this start's n-th save landed (the replace of
+  its record), "saving:<n>" in its n-th save between the state file and its record, "eval:<k>" at the first
+  forward of this start's k-th evaluation pass (each epoch's validation, then the test), "publish" at the rename
+  of the complete run's folder into place (after the previous output was set aside); "term:<n>" sends rank 0
+  a SIGTERM (a scheduler's preemption) at its n-th training forward of this start.
 LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoints each stage with
   use_reentrant=True (the images need no gradient, so the stages get none); "statistics_twice" recomputes the
   stages without putting their BatchNorm buffers back (their statistics are updated twice per forward).
@@ -234,3 +241,56 @@ if os.environ.get("LAB_TEST_CHECKPOINT") == "statistics_twice":
     import model
 
     model.recompute_context = lambda stage: (nullcontext(), nullcontext())
+
+if os.environ.get("LAB_TEST_KILL_AT"):
+    import re
+    import signal
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    points = os.environ["LAB_TEST_KILL_AT"].split(",")
+    start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kind, _, number = (points[start] if start < len(points) else "-").partition(":")
+    seen = {"records": 0, "evaluations": 0, "training_forwards": 0, "evaluation_forwards": 0}
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    original_replace, original_rename = os.replace, os.rename
+
+    def replace_and_die_on_cue(source, destination, *args, **kwargs):
+        is_record = re.fullmatch(r"resume_state-[0-9]+\.json", os.path.basename(destination))
+        seen["records"] += bool(is_record)
+        if is_record and kind == "saving" and seen["records"] == int(number):
+            die()
+        result = original_replace(source, destination, *args, **kwargs)
+        if is_record and kind == "saved" and seen["records"] == int(number):
+            die()
+        return result
+
+    def rename_and_die_on_cue(source, destination, *args, **kwargs):
+        if kind == "publish" and ".partial-" in os.path.basename(source):
+            die()
+        return original_rename(source, destination, *args, **kwargs)
+
+    os.replace, os.rename = replace_and_die_on_cue, rename_and_die_on_cue
+    original_train, original_forward = DistributedDataParallel.train, DistributedDataParallel.forward
+
+    def train_counted(self, mode=True):
+        if not mode:
+            seen["evaluations"] += 1
+            seen["evaluation_forwards"] = 0
+        return original_train(self, mode)
+
+    def forward_and_die_on_cue(self, *args, **kwargs):
+        if self.training:
+            seen["training_forwards"] += 1
+            if kind == "term" and seen["training_forwards"] == int(number) and os.environ.get("RANK") == "0":
+                os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            seen["evaluation_forwards"] += 1
+            if kind == "eval" and seen["evaluations"] == int(number) and seen["evaluation_forwards"] == 1:
+                die()
+        return original_forward(self, *args, **kwargs)
+
+    DistributedDataParallel.train, DistributedDataParallel.forward = train_counted, forward_and_die_on_cue
