@@ -15,6 +15,11 @@
 #     epoch 1 (DDP rebuilds its buckets there, the profiler synchronizes at its edges) and fails the run on any
 #     host synchronization in the training loop from epoch 2 (tests/inject/sitecustomize.py).
 #  5. verify.py --expect-from-config on the two runs, the profiler's witness included; the timeline picture.
+#  5b. Both modes, 2 epochs, two ranks on the one device: on CUDA over gloo (--gpu-backend gloo; NCCL refuses two
+#     ranks on one GPU, and gloo's copies through host memory are host syncs, so no sync-debug mode here): the
+#     ranks' fingerprints, buffer broadcasts and 2-rank counts on CUDA. verify.py must then refuse exactly the
+#     checklist's item 1 (two ranks shared one GPU), which it checks after every other item of epoch 1; on
+#     CPU it passes.
 #  6. `every` again, unprofiled: its weights must equal the first run's bit for bit.
 #  7. Both modes, 1 epoch, --activation-checkpointing: verify.py passes, with the peak memory per epoch.
 #  8. benchmarks/bench_speed.py (one process: floor, each loader) and benchmarks/bench_checkpointing.py
@@ -63,7 +68,7 @@ else
     .venv/bin/pip install --quiet -r requirements-dev.txt
     PY=.venv/bin/python
 fi
-TORCHRUN=("$PY" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1)
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nnodes=1)
 "$PY" -c "import sys, torch, torchvision, PIL; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, torchvision {torchvision.__version__}, Pillow {PIL.__version__}')" | tee -a "$SUMMARY"
 
 step "2. The device"
@@ -76,12 +81,12 @@ fi
 step "3. Synthetic data"
 "$PY" tools/synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000
 
-run_mode() {  # mode, output folder, more train.py options; its stderr is appended to train.log
-    local sync_debug=()
-    [[ $DEVICE == cuda ]] && sync_debug=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
-    echo "== train.py --mode $1 --output $2 ${*:3}" >>"$TRAIN_LOG"
-    "${sync_debug[@]}" "${TORCHRUN[@]}" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" \
-        --expected-world-size 1 --device "$DEVICE" --progress-every 10 "${@:3}" >"$2.out" 2>"$2.err"
+run_mode() {  # mode, output folder, more train.py options (RANKS=2: two ranks); its stderr is appended to train.log
+    local sync_debug=() ranks=${RANKS:-1}
+    [[ $DEVICE == cuda && $ranks == 1 ]] && sync_debug=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
+    echo "== train.py --mode $1 --output $2 ${*:3} ($ranks rank(s))" >>"$TRAIN_LOG"
+    "${sync_debug[@]}" "${TORCHRUN[@]}" --nproc-per-node="$ranks" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" \
+        --expected-world-size "$ranks" --device "$DEVICE" --progress-every 10 "${@:3}" >"$2.out" 2>"$2.err"
     local status=$?
     cat "$2.err" >>"$TRAIN_LOG"
     return $status
@@ -109,6 +114,24 @@ if "$PY" verify.py --artifacts "$WORK/runs" --expect-from-config >"$RESULTS/veri
     passed "verify: $(tail -1 "$RESULTS/verify.txt")"
 else
     failed "verify: $(tail -1 "$RESULTS/verify.txt")"
+fi
+
+step "5b. Two ranks on one $DEVICE device, both modes, 2 epochs"
+mkdir -p "$WORK/shared"
+shared_ok=1
+for mode in every no_sync; do
+    RANKS=2 run_mode "$mode" "$WORK/shared/$mode" --epochs 2 --gpu-backend gloo || shared_ok=0
+done
+"$PY" verify.py --artifacts "$WORK/shared" --expect-from-config >"$WORK/shared.txt" 2>&1 && shared_status=0 || shared_status=$?
+refusal=$(grep -m1 "checklist item 1" "$WORK/shared.txt" || true)
+if [[ $shared_ok == 0 ]]; then
+    failed "two ranks on one device: $(first_error "$WORK/shared/every.err") $(first_error "$WORK/shared/no_sync.err")"
+elif [[ $DEVICE == cpu && $shared_status == 0 ]]; then
+    passed "two ranks on one CPU: $(tail -1 "$WORK/shared.txt")"
+elif [[ $DEVICE == cuda && $shared_status == 1 && $refusal == *"2 ranks shared 1 GPUs"* ]]; then
+    passed "two ranks on one GPU over gloo: every check of epoch 1 held, then item 1 refused as it must be: $refusal"
+else
+    failed "two ranks on one device: verify exit $shared_status: $(tail -1 "$WORK/shared.txt")"
 fi
 
 step "6. A rerun of every, bit for bit"

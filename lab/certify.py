@@ -120,10 +120,12 @@ def check_epoch(path, number, row, config, mode, plan):
         refuse(path, number, "", f"{len(seen['ranks'])} ranks reported, the run's world has {world_size}", 1)
     if seen["processes"] != world_size:
         refuse(path, number, "", f"{world_size} ranks ran in {seen['processes']} processes", 1)
-    if seen.get("device_type") == "cuda" and seen["devices"] != world_size:
-        refuse(path, number, "", f"{world_size} ranks shared {seen['devices']} GPUs: one process per GPU", 1)
     for rank, observed in enumerate(seen["ranks"]):
         check_rank(path, number, f"rank {rank}", observed, row, config, plan)
+    # After every rank's items: ranks sharing a GPU (gpu_check.sh's job over gloo) are refused only once the
+    # epoch's every other item held.
+    if seen.get("device_type") == "cuda" and seen["devices"] != world_size:
+        refuse(path, number, "", f"{world_size} ranks shared {seen['devices']} GPUs: one process per GPU", 1)
 
 
 def check_rank(path, number, who, seen, row, config, plan):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import (
     assert_ok,
@@ -84,6 +85,34 @@ def test_a_step_that_changes_nothing_and_non_finite_values_are_each_told_apart(o
         parameter[0] = float("nan")
     before = audit.before_step([parameter])
     assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False, False]
+
+
+def test_the_steps_agreement_reads_nothing_from_the_host_and_nothing_back(one_process_group):
+    """On CUDA a tensor made from a host value is a host-to-device copy, and a value read back a sync: every
+    step's agreement (the stop request included) must make neither. Seen here at the dispatcher, on CPU."""
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.operators = set()
+
+        def __torch_dispatch__(self, operator, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = str(operator.overloadpacket)
+            if name == "aten._to_copy" and kwargs.get("device") not in (None, args[0].device):
+                name = "a copy between devices"
+            self.operators.add(name)
+            return operator(*args, **kwargs)
+
+    parameter = torch.nn.Parameter(torch.randn(10))
+    parameter.grad = torch.randn(10)
+    for stop in (False, True):
+        before = audit.before_step([parameter])
+        with Dispatched() as seen:
+            verdict = audit.ranks_agree(before, [parameter], None, stop_requested=stop)
+        assert verdict.tolist()[5] is stop
+        assert "aten.full" in seen.operators  # the flag, filled on the device
+        assert not seen.operators & {"aten.lift_fresh", "aten._local_scalar_dense", "a copy between devices"}
 
 
 # ----------------------------------------------------------------------------- real runs the audit refuses

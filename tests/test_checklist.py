@@ -182,6 +182,41 @@ def test_a_run_recorded_without_the_witnesses_is_refused(lab_runs, tmp_path):
     assert f"{path}: epoch row 2: checklist must hold the witnesses' observations" in refusal(verify(artifacts))
 
 
+def edit_history(artifacts, mode, change):
+    """Edit a run's history rows and record its new checksum, as a run that wrote them would have."""
+    path = artifacts / mode / "history.json"
+    rows = read_json(path)
+    change(rows)
+    path.write_text(json.dumps(rows))
+    record = read_json(artifacts / mode / "run.json")
+    record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    (artifacts / mode / "run.json").write_text(json.dumps(record))
+    return path
+
+
+def test_ranks_that_shared_a_gpu_are_refused_after_every_other_item(lab_runs, tmp_path):
+    """Two ranks on one GPU (gpu_check.sh's job over gloo) break item 1; it is checked after each rank's items,
+    so that such a refusal says that every other item of the epoch held."""
+    artifacts = copy_runs(lab_runs[0], tmp_path / "artifacts")
+
+    def on_one_gpu(rows):
+        for row in rows:
+            row["checklist"].update(device_type="cuda", devices=1)
+
+    path = edit_history(artifacts, "every", on_one_gpu)
+    assert refusal(verify(artifacts)).startswith(
+        f"RuntimeError: {path}: epoch 1: 2 ranks shared 1 GPUs: one process per GPU [checklist item 1:"
+    )
+
+    def and_a_rank_that_ran_one_micro_batch_less(rows):
+        rows[0]["checklist"]["ranks"][1]["micro_batches"] -= 1
+
+    edit_history(artifacts, "every", and_a_rank_that_ran_one_micro_batch_less)
+    assert refusal(verify(artifacts)).startswith(
+        f"RuntimeError: {path}: epoch 1, rank 1: 19 micro-batches ran (expected 20)"
+    )
+
+
 def test_correct_runs_in_float32_pass_within_the_tighter_bounds(injected_runs):
     """The lab unchanged, in float32 (what `auto` takes on a CPU without BF16 instructions): the loss scale read
     within float32's bound, every item observed, AUDIT PASSED."""

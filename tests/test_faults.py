@@ -21,7 +21,7 @@ from conftest import (
     train,
     verify,
 )
-from lab import launch, records
+from lab import experiment, launch, records
 from lab.cli import LabError
 
 
@@ -42,6 +42,10 @@ def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
         ("--mode", "sometimes", "argument --mode: invalid choice: 'sometimes'"),
         ("--bucket-cap-mb", "-1", "argument --bucket-cap-mb: must be a finite number of at least 0, got -1"),
         ("--comm-hook", "powersgd", "argument --comm-hook: invalid choice: 'powersgd'"),
+        ("--bucket-cap-mb", "9e12", "argument --bucket-cap-mb: must be below 2**43 = 8796093022208"),
+        ("--seed", "18446744073709551616", "argument --seed: must be from 0 to 18446744073709551611 for 5 epochs on 2"),
+        ("--seed", "18446744073709551612", "argument --seed: must be from 0 to 18446744073709551611 for 5 epochs on 2"),
+        ("--seed", "-1", "argument --seed: must be from 0 to 18446744073709551611 for 5 epochs on 2 ranks"),
     ],
 )
 def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
@@ -49,6 +53,15 @@ def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
     result = run_python("train.py", *[part for pair in args.items() for part in pair])
     line = assert_one_line_error(result, message)
     assert line.startswith("train.py: error: ") and "--help" in line
+
+
+def test_the_highest_seed_and_bucket_cap_accepted_train(image_data, tmp_path):
+    """The bounds are torch's own: at them a run trains (2 epochs on 2 ranks: seeds up to 2**64 - 2 are
+    used), one past them is refused at parse time (above)."""
+    assert experiment.seed_range_error(2**64 - 2, 2, 2) is None and experiment.seed_range_error(2**64 - 1, 2, 2)
+    highest = ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
+    assert_ok(train(image_data, tmp_path / "out", "no_sync", *highest, "--epochs", "2", "--quiet"))
+    assert read_json(tmp_path / "out" / records.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
 
 
 def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):

@@ -141,7 +141,9 @@ def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted
     saved = read_json(record)
     assert (saved["epoch"], saved["micro_batch"]) == (2, 8)
     assert saved["state"]["bytes"] == state.stat().st_size
-    assert sorted(path.name for path in partial.glob("resume_state*")) == sorted([state.name, record.name])  # one save kept
+    assert sorted(path.name for path in partial.glob("resume_state*")) == sorted(
+        [state.name, record.name]
+    )  # one save kept
     assert not output.exists()
 
 

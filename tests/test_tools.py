@@ -5,10 +5,12 @@ import json
 import shutil
 import subprocess
 
+import pytest
 import torch
 
 from conftest import REPO, assert_one_line_error, run_python
 from lab import launch
+from lab.cli import LabError
 from lab.precision import choose_precision
 
 
@@ -39,6 +41,10 @@ def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
     assert_one_line_error(
         run_python("tools/synthetic_data.py", "--out", tmp_path / "data"), "already exists; remove it"
     )
+    assert_one_line_error(
+        run_python("tools/synthetic_data.py", "--out", tmp_path / "new", "--seed", "-1"),
+        "argument --seed: must be at least 0, got -1",
+    )
 
 
 def test_make_clean_removes_only_the_labs_outputs(tmp_path):
@@ -63,6 +69,21 @@ def test_one_device_policy_per_node(monkeypatch):
     assert launch.node_device(2) == ("cpu", 1)  # one GPU for two processes: CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launch.node_device(1) == ("cpu", 0)
+
+
+def test_ranks_share_a_gpu_only_over_gloo(monkeypatch):
+    """NCCL refuses two ranks on one GPU: --device cuda needs a GPU per process unless --gpu-backend gloo, whose
+    training collectives stay in the default gloo group (gpu_check.sh runs that job on one GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    place = launch.Place(rank=1, local_rank=1, node=0, world_size=2, local_world_size=2, nodes=1)
+    with pytest.raises(
+        LabError, match="2 processes on this node, 1 GPU.* or share the GPUs over gloo with --gpu-backend gloo"
+    ):
+        launch.choose_device("cuda", place)
+    assert launch.choose_device("cuda", place, "gloo") == "cuda"
+    assert launch.choose_device("auto", place, "gloo") == "cpu"  # auto keeps its policy: a GPU per process
+    assert launch.training_group(torch.device("cuda", 0), "gloo") is None
 
 
 def test_the_hta_check_reads_every_ranks_trace_or_says_what_it_needs(lab_runs, tmp_path):

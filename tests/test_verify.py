@@ -1,8 +1,15 @@
 """verify.py cannot be fooled: each way artifacts can be missing, damaged, mixed or inconsistent fails
 with one line naming the file (exit 1), on copies of real runs."""
 
+import builtins
+import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
+import unittest.mock
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +17,7 @@ from PIL import Image
 from torch import nn
 
 from conftest import (
+    REPO,
     assert_ok,
     assert_one_line_error,
     copy_runs,
@@ -19,7 +27,7 @@ from conftest import (
     train,
     verify,
 )
-from lab import experiment, records
+from lab import experiment, records, tables
 from model import CLASSES
 
 COUNTS = ("optimizer_steps", *experiment.COUNTS)
@@ -214,6 +222,55 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
         ".no_sync.lock",
         ".no_sync.partial-nextrun",
     ]
+
+
+def read_only_verify(artifacts, *options):
+    """verify.py on `artifacts` mounted read-only (a bind mount in a mount namespace of its own), as on an
+    archive or a shared mount; where no mount namespace can be made, with every write under it failing."""
+    if shutil.which("unshare") and subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0:
+        script = 'mount --bind -o ro "$1" "$1" && shift && exec "$@"'
+        command = [sys.executable, "verify.py", "--artifacts", artifacts, "--expect-from-config", *options]
+        return subprocess.run(
+            ["unshare", "--mount", "sh", "-c", script, "read-only", artifacts, *map(str, command)],
+            capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=300,
+        )  # fmt: skip
+
+    def refused_under_artifacts(real, writes):
+        def call(path, *args, **kwargs):
+            if writes(*args, **kwargs) and Path(path).resolve().is_relative_to(artifacts.resolve()):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    write_modes = lambda mode="r", *rest, **kw: bool(set(mode) & set("wax+"))  # noqa: E731
+    write_flags = lambda flags, *rest, **kw: bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))  # noqa: E731
+    with (
+        unittest.mock.patch("builtins.open", refused_under_artifacts(builtins.open, write_modes)),
+        unittest.mock.patch("os.open", refused_under_artifacts(os.open, write_flags)),
+        unittest.mock.patch("os.mkdir", refused_under_artifacts(os.mkdir, lambda *rest, **kw: True)),
+    ):
+        return verify(artifacts, *options)
+
+
+def test_a_read_only_copy_passes_and_its_pictures_go_where_they_can(runs, tmp_path):
+    for name in (tables.CURVES_FILE, tables.COMMUNICATION_FILE, tables.TIMELINE_FILE):
+        (runs / name).unlink(missing_ok=True)
+    result = read_only_verify(runs)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        f"pictures: not drawn, {runs} cannot be written (Read-only file system); pass --pictures DIR" in result.stdout
+    )
+    assert result.stdout.splitlines()[-1].startswith("AUDIT PASSED")
+    elsewhere = read_only_verify(runs, "--pictures", tmp_path / "pictures")
+    assert elsewhere.returncode == 0, elsewhere.stdout + elsewhere.stderr
+    drawn = [
+        tmp_path / "pictures" / name for name in (tables.CURVES_FILE, tables.COMMUNICATION_FILE, tables.TIMELINE_FILE)
+    ]
+    assert f"pictures: {', '.join(map(str, drawn))}" in elsewhere.stdout and all(path.is_file() for path in drawn)
+    assert not (runs / tables.CURVES_FILE).exists()
+    refused = read_only_verify(runs, "--pictures", runs / "pictures")
+    assert_one_line_error(refused, f"argument --pictures: {runs}/pictures cannot be written (Read-only file system)")
 
 
 def test_usage_errors_exit_2(runs):
