@@ -76,7 +76,7 @@ def parse_args(argv=None):
     for setting in ("static-graph", "find-unused-parameters", "gradient-as-bucket-view"):
         add(f"--{setting}", action="store_true", help=f"DDP's {setting.replace('-', '_')}=True")
     add("--profile-windows", type=positive_int, metavar="K", help="profile K windows of epoch 1 (a second witness)")
-    add("--resume", action="store_true", help="continue the unfinished run in --output (start it if none)")
+    add("--resume", action="store_true", help="continue the run in --output (start it if none)")
     add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")

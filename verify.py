@@ -85,7 +85,7 @@ def main():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
         config = record["config"]
         print(f"  precision {config.get('precision')} on {', '.join(config.get('hardware') or ['?'])}")
-        moved = resume.moved_hardware(record)
+        moved = resume.moved_hardware(record, artifacts / mode / RUN_RECORD_FILE)
         if moved:
             print(f"note: {mode}: {moved}")
         for note in describe_unfinished(artifacts / mode):

@@ -335,9 +335,22 @@ class Session:
                 path.unlink()
 
 
-def moved_hardware(record):
-    """verify.py's note when the run's segments (run.json) ran on different hardware, else None."""
-    segments = record.get("segments") or []
+def moved_hardware(record, path):
+    """verify.py's note when the run's segments (run.json at `path`) ran on different hardware, else None."""
+    segments = record.get("segments", [])
+    records.check(
+        isinstance(segments, list)
+        and all(
+            isinstance(segment, dict)
+            and isinstance(segment.get("hardware"), list)
+            and all(isinstance(name, str) for name in segment["hardware"])
+            and records.is_int(segment.get("epoch"))
+            and records.is_int(segment.get("micro_batch"))
+            for segment in segments
+        ),
+        path,
+        f"segments must be a list of {{hardware, epoch, micro_batch}}, got {segments!r}",
+    )
     if len({tuple(segment["hardware"]) for segment in segments}) < 2:
         return None
     parts = [f"from epoch {s['epoch']}, micro-batch {s['micro_batch']}: {', '.join(s['hardware'])}" for s in segments]

@@ -84,6 +84,12 @@ def test_wrong_types(runs):
     assert_one_line_error(audit(runs), "epoch row 2: gradient_syncs must be a whole number, got '40'", code=1)
 
 
+def test_segments_of_the_wrong_shape(runs):
+    edit_json(runs / "no_sync" / "run.json", lambda record: record.update(segments=[{"hardware": "CPU"}]))
+    line = assert_one_line_error(audit(runs), f"{runs}/no_sync/run.json: segments must be a list of", code=1)
+    assert "{'hardware': 'CPU'}" in line
+
+
 def test_a_history_with_a_missing_row(runs):
     edit_json(runs / "every" / "history.json", lambda rows: rows.pop())
     assert_one_line_error(audit(runs), f"{runs}/every/history.json: expected 2 epochs, got 1", code=1)
