@@ -11,6 +11,7 @@ import math
 from PIL import Image
 
 from lab import certify, experiment, resume
+from lab.data import IMAGE_ERRORS
 from lab.precision import NUMERICS
 from lab.records import (
     HISTORY_FILE,
@@ -396,7 +397,7 @@ def check_png(path, record, size=None):
         with Image.open(path) as image:
             image.load()
             image_format, image_size, text = image.format, image.size, dict(getattr(image, "text", {}))
-    except (OSError, SyntaxError, ValueError) as error:
+    except IMAGE_ERRORS as error:
         raise AuditError(f"{path}: not a readable PNG ({error}); rerun train.py") from None
     check(image_format == "PNG", path, f"expected a PNG, got {image_format}")
     if size is not None:

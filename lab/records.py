@@ -67,6 +67,11 @@ def write_atomic(path, data):
     except BaseException:
         temporary.unlink(missing_ok=True)  # a full disk or an interrupt leaves nothing half-written behind
         raise
+    folder = os.open(path.parent, os.O_RDONLY)  # the rename made durable before anything that relies on it
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def json_bytes(value):
@@ -198,8 +203,7 @@ class RunFolder:
 
 
 def move_into_place(partial, output):
-    """A complete run's partial folder (run.json written) made the output: what is not an artifact removed,
-    the previous output set aside, the run renamed into place, the previous one removed."""
+    """A complete run's partial folder made the output: non-artifacts out, the old output aside, then removed."""
     for path in partial.iterdir():
         if not is_artifact(path.name):
             path.unlink()

@@ -308,8 +308,13 @@ class Session:
         }
         gathered = [None] * self.place.world_size
         dist.all_gather_object(gathered, to_cpu(mine))
-        if self.place.rank != 0:
-            return
+        if self.place.rank == 0:
+            self.write(gathered, epoch, started)
+        dist.barrier()  # no rank stops (a preemption) before the save is written, lest a kill cut rank 0's write
+
+    def write(self, gathered, epoch, started):
+        """Rank 0: the gathered parts and its own into save number N, then N's record, then the older saves go."""
+        ddp_model, optimizer, scheduler = self.models
         state = {
             "run_id": self.folder.run_id,
             "config": self.identity,
@@ -318,7 +323,7 @@ class Session:
             "model": to_cpu(ddp_model.module.state_dict()),
             "optimizer": to_cpu(optimizer.state_dict()),
             "scheduler": scheduler.state_dict(),
-            **{key: [part[key] for part in gathered] for key in mine},
+            **{key: [part[key] for part in gathered] for key in gathered[0]},
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)

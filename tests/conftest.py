@@ -162,6 +162,17 @@ def md5_sums(folder):
     return {path.name: hashlib.md5(path.read_bytes()).hexdigest() for path in Path(folder).iterdir()}
 
 
+def png_header_only(path, width, height):
+    """A PNG that declares width x height pixels; Pillow reads the size before any pixel."""
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
+    return path
+
+
 def write_png_with_a_damaged_chunk(path):
     """A PNG whose image data is split over two IDAT chunks, the second's type damaged (b"ID#T"): Pillow opens it
     and raises SyntaxError ("broken PNG file") only as it decodes."""

@@ -2,8 +2,6 @@
 
 import json
 import os
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,14 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import TEST_IMAGES, assert_one_line_error, read_json, run_in_process, write_png_with_a_damaged_chunk
+from conftest import (
+    TEST_IMAGES,
+    assert_one_line_error,
+    png_header_only,
+    read_json,
+    run_in_process,
+    write_png_with_a_damaged_chunk,
+)
 from model import CLASSES
 
 
@@ -23,17 +28,6 @@ def checkpoint(lab_runs):
 
 def infer(checkpoint, *images, extra=()):
     return run_in_process("infer.py", "--checkpoint", checkpoint, "--image", *images, *extra)
-
-
-def png_header_only(path, width, height):
-    """A PNG that declares width x height pixels; Pillow reads the size before any pixel."""
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
-    return path
 
 
 def test_any_picture_mode_and_size_is_classified(checkpoint, tmp_path):

@@ -21,11 +21,13 @@ from conftest import (
     assert_ok,
     assert_one_line_error,
     copy_runs,
+    png_header_only,
     read_json,
     run_in_process,
     subprocess_env,
     train,
     verify,
+    write_png_with_a_damaged_chunk,
 )
 from lab import experiment, records, tables
 from model import CLASSES
@@ -168,9 +170,17 @@ def test_a_file_changed_after_the_run(runs):
     assert_one_line_error(audit(runs), f"{runs}/no_sync/sample_test.png: changed after the run finished", code=1)
 
 
-def test_a_damaged_picture(runs):
-    path = runs / "every" / "confusion_matrix.png"
-    path.write_bytes(path.read_bytes()[:200])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda path: path.write_bytes(path.read_bytes()[:200]),
+        write_png_with_a_damaged_chunk,  # Pillow: SyntaxError
+        lambda path: png_header_only(path, 20_000, 20_000),  # Pillow: DecompressionBombError
+    ],
+    ids=["truncated", "damaged_chunk", "decompression_bomb"],
+)
+def test_a_damaged_picture(runs, damage):
+    damage(runs / "every" / "confusion_matrix.png")
     assert_one_line_error(audit(runs), f"{runs}/every/confusion_matrix.png: not a readable PNG", code=1)
 
 
