@@ -48,24 +48,23 @@ class ArgumentParser(argparse.ArgumentParser):
         exit_with(self.usage_error(message), self.prog, show=os.environ.get("LOCAL_RANK", "0") == "0")
 
 
-def positive_int(text):
+def whole_number(text, least):
+    """argparse's type for a whole number of at least `least` (0 or 1)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {'positive ' * least}whole number, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def positive_int(text):
+    return whole_number(text, 1)
 
 
 def non_negative_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return whole_number(text, 0)
 
 
 def non_negative_float(text):
