@@ -55,15 +55,6 @@ def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
     assert line.startswith("train.py: error: ") and "--help" in line
 
 
-def test_the_highest_seed_and_bucket_cap_accepted_train(image_data, tmp_path):
-    """The bounds are torch's own: at them a run trains (1 epoch on 2 ranks: seeds up to 2**64 - 1 are used),
-    one past them is refused at parse time (above)."""
-    assert experiment.seed_range_error(2**64 - 2, 2, 2) is None and experiment.seed_range_error(2**64 - 1, 2, 2)
-    highest = ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
-    assert_ok(train(image_data, tmp_path / "out", "no_sync", *highest, "--epochs", "1", "--quiet"))
-    assert read_json(tmp_path / "out" / records.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
-
-
 def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):
     """launch.check_output, which rank 0 runs before any training (the one-line plumbing of a rank-0 refusal
     under torchrun: test_a_second_run_into_an_output_in_use...)."""
@@ -96,24 +87,14 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
 
 
 def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
+    """Also at the bounds of --seed and --bucket-cap-mb, which are torch's own: 1 epoch on 2 ranks uses seeds up
+    to 2**64 - 1; one past them is refused at parse time (test_bad_numbers_and_choices_get_one_line)."""
+    assert experiment.seed_range_error(2**64 - 2, 1, 2) is None and experiment.seed_range_error(2**64 - 1, 1, 2)
+    highest = ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
     artifacts = tmp_path / "artifacts"
     for mode, syncs, device in (("every", 7, "auto"), ("no_sync", 2, "cpu")):
-        result = assert_ok(
-            train(
-                image_data,
-                artifacts / mode,
-                mode,
-                "--batch-size",
-                "12",
-                "--partial-window",
-                "scale",
-                "--epochs",
-                "1",
-                "--quiet",
-                "--device",
-                device,
-            )
-        )
+        partial_windows = ["--batch-size", "12", "--partial-window", "scale", "--epochs", "1", "--quiet"]
+        result = assert_ok(train(image_data, artifacts / mode, mode, *partial_windows, *highest, "--device", device))
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (2, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
@@ -126,6 +107,7 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     audit = verify(artifacts)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"
+    assert read_json(artifacts / "every" / records.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
 
 
 def child_pids(parent):
