@@ -82,11 +82,11 @@ step "3. Synthetic data"
 "$PY" tools/synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000
 
 run_mode() {  # mode, output folder, more train.py options (RANKS=2: two ranks); its stderr is appended to train.log
-    local sync_debug=() ranks=${RANKS:-1}
-    [[ $DEVICE == cuda && $ranks == 1 ]] && sync_debug=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
-    [[ $DEVICE == cuda && $ranks == 2 ]] && sync_debug=(env CUDA_VISIBLE_DEVICES=0)  # one GPU, however many there are
+    local environment=() ranks=${RANKS:-1}
+    [[ $DEVICE == cuda && $ranks == 1 ]] && environment=(env "PYTHONPATH=tests/inject${PYTHONPATH:+:$PYTHONPATH}" LAB_TEST_SYNC_DEBUG=1)
+    [[ $DEVICE == cuda && $ranks == 2 ]] && environment=(env CUDA_VISIBLE_DEVICES=0)  # one GPU, however many there are
     echo "== train.py --mode $1 --output $2 ${*:3} ($ranks rank(s))" >>"$TRAIN_LOG"
-    "${sync_debug[@]}" "${TORCHRUN[@]}" --nproc-per-node="$ranks" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" \
+    "${environment[@]}" "${TORCHRUN[@]}" --nproc-per-node="$ranks" train.py --mode "$1" --output "$2" --data-dir "$WORK/data" \
         --expected-world-size "$ranks" --device "$DEVICE" --progress-every 10 "${@:3}" >"$2.out" 2>"$2.err"
     local status=$?
     cat "$2.err" >>"$TRAIN_LOG"

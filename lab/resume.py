@@ -103,9 +103,11 @@ def saves(folder):
 
 def unfinished_with_state(output):
     """The newest unfinished run beside `output` holding a complete saved state, or None."""
-    candidates = [folder for folder in records.unfinished_runs(output) if saves(folder)]
-    newest = lambda folder: (folder / STATE_RECORD.format(number=saves(folder)[-1])).stat().st_mtime  # noqa: E731
-    return max(candidates, key=newest, default=None)
+    numbers = {folder: saves(folder) for folder in records.unfinished_runs(output)}
+    records_landed = {
+        folder: folder / STATE_RECORD.format(number=found[-1]) for folder, found in numbers.items() if found
+    }
+    return max(records_landed, key=lambda folder: records_landed[folder].stat().st_mtime, default=None)
 
 
 def read_state(folder):
@@ -294,8 +296,7 @@ class Session:
             raise Preempted(f"preempted after epoch {next_epoch.number - 1}: its state is saved; resume with --resume")
 
     def save(self, epoch):
-        """Gather every rank's part to rank 0, which writes the state, then its record (with the save's bytes and
-        seconds: what resuming costs)."""
+        """Gather every rank's part to rank 0, which writes it (write); every rank waits until it is written."""
         started = time.perf_counter()
         ddp_model, optimizer, scheduler = self.models
         generator = getattr(self.train_loader, "generator", None)
@@ -313,7 +314,8 @@ class Session:
         dist.barrier()  # no rank stops (a preemption) before the save is written, lest a kill cut rank 0's write
 
     def write(self, gathered, epoch, started):
-        """Rank 0: the gathered parts and its own into save number N, then N's record, then the older saves go."""
+        """Rank 0: the gathered parts into save number N, then N's record (with the save's bytes and seconds: what
+        resuming costs), then the older saves go."""
         ddp_model, optimizer, scheduler = self.models
         state = {
             "run_id": self.folder.run_id,
