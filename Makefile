@@ -1,6 +1,7 @@
 # ddp-no-sync-lab. The two commands: `make lab` runs the experiment, `make test` runs the tests.
 # Others: `make quick` (the whole pipeline on small synthetic data, no network), `make check` (what this
-# machine has and which way the lab will run), `make compat TORCH=x.y.z` (make quick and the suite on another
+# machine has and which way the lab will run), `make text` and `make text-quick` (the second task: packed
+# sequences of text, per-token loss normalization; docs/packed.md), `make compat TORCH=x.y.z` (make quick and the suite on another
 # torch, in its own environment), `make clean` (removes the lab's outputs and environments).
 # DATA=path uses another dataset folder (image folders or torchvision's CIFAR-10), e.g. an offline copy.
 
@@ -13,8 +14,10 @@ DATA ?= data
 ARTIFACTS ?= artifacts
 QUICK_DATA := data/quick
 QUICK := artifacts/quick
+TEXT := artifacts/text
+TEXT_QUICK := artifacts/text-quick
 
-.PHONY: lab quick test lint check compat compat-run clean
+.PHONY: lab quick text text-quick test lint check compat compat-run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +50,18 @@ endef
 
 quick: $(VENV)/.requirements
 	$(quick_pipeline)
+
+# The second task (docs/packed.md): a byte-level transformer on Python's own documentation texts, packed into
+# rows; its documented configuration, audited strictly. text-quick: one epoch, audited by its own configuration.
+text: $(VENV)/.requirements
+	$(TRAIN) --task text --mode every --output $(TEXT)/every
+	$(TRAIN) --task text --mode no_sync --output $(TEXT)/no_sync
+	$(PY) verify.py --artifacts $(TEXT)
+
+text-quick: $(VENV)/.requirements
+	$(TRAIN) --task text --mode every --output $(TEXT_QUICK)/every --epochs 1
+	$(TRAIN) --task text --mode no_sync --output $(TEXT_QUICK)/no_sync --epochs 1
+	$(PY) verify.py --artifacts $(TEXT_QUICK) --expect-from-config
 
 # The 15 slowest tests are listed at the end of every run, so that a slow one shows itself.
 test: $(VENV)/.requirements-dev

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lab import audit, checklist, data, experiment, launch, loaders, records, resume, tap
+from lab import audit, checklist, data, experiment, language, launch, loaders, packed, records, resume, tap
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
 from lab.precision import PRECISIONS
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
@@ -50,21 +50,22 @@ SCRIPT = launch.SCRIPT
 
 def parse_args(argv=None):
     """The document's options, then the lab's (docs/running.md says more of each)."""
-    documented = experiment.DOCUMENTED
     parser = launch.TorchrunArgumentParser(
         prog=SCRIPT, description="Train CifarCNN under DDP in one accumulation mode."
     )
     add = parser.add_argument
     add("--mode", choices=experiment.MODES, required=True)
     add("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
-    add("--epochs", type=positive_int, default=documented["epochs"])
-    add("--batch-size", type=positive_int, default=documented["batch_size"], help="per rank")
-    add("--accum-steps", type=positive_int, default=documented["accum_steps"])
-    add("--seed", type=int, default=documented["seed"])
-    add("--expected-world-size", type=positive_int, default=documented["world_size"])
+    add("--task", choices=experiment.TASKS, default="cifar10", help="text: packed sequences (docs/packed.md)")
+    add("--epochs", type=positive_int, help="default: the task's documented (5; text 8)")
+    add("--batch-size", type=positive_int, help="per rank: images (default 50), or text rows of 128 bytes (8)")
+    add("--accum-steps", type=positive_int, default=experiment.DOCUMENTED["accum_steps"])
+    add("--seed", type=int, default=experiment.DOCUMENTED["seed"])
+    add("--expected-world-size", type=positive_int, default=experiment.DOCUMENTED["world_size"])
     add("--data-dir", type=Path, default=Path("data"), help="image folders, or torchvision's CIFAR-10 (downloaded)")
-    add("--partial-window", choices=experiment.PARTIAL_WINDOW_POLICIES, default=documented["partial_window"],
-        help="a short last window: stop (error), or divide its losses by its own length (scale)")  # fmt: skip
+    add("--partial-window", choices=experiment.PARTIAL_WINDOW_POLICIES,
+        help="a short last window: stop (error; the image task's default), or divide by its own length (scale)")  # fmt: skip
+    add("--loss-normalization", choices=experiment.LOSS_NORMALIZATIONS, help="text: by the window's tokens (default)")  # fmt: skip
     add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA with a GPU per process")
     add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
     add("--gpu-backend", choices=launch.GPU_BACKENDS, default="nccl", help="gloo: CUDA ranks may share a GPU")
@@ -141,20 +142,8 @@ def make_optimizer(parameters, device):
 # ----------------------------------------------------------------------------- training and evaluation
 
 
-def train_epoch(
-    ddp_model,
-    loader,
-    plan,
-    mode,
-    optimizer,
-    criterion,
-    device,
-    autocast,
-    progress,
-    profiler=None,
-    epoch=None,
-    session=None,
-):
+def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None,
+                epoch=None, session=None):  # fmt: skip
     """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in
     part when a WindowProfiler is given; at each window's end the session saves or stops when due.
 
@@ -175,8 +164,7 @@ def train_epoch(
     progress.start("train", len(plan), "micro-batches")
     batches = zip(loaders.batches_from(loader, epoch.micro_batch), plan[epoch.micro_batch :], strict=True)
     for index, ((inputs, targets), micro_step) in enumerate(batches, start=epoch.micro_batch):
-        inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
-        targets = targets.to(device, non_blocking=True)
+        inputs, targets = to_device(inputs, device), targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
         with span(f"{MICRO_BATCH_LABEL}{index}"):
@@ -198,10 +186,12 @@ def train_epoch(
                 optimizer.zero_grad(set_to_none=True)
         if profiler:
             profiler.after_micro_batch(index)
-        # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch).
-        totals[0] += raw_loss.detach().double() * targets.size(0)
-        totals[1] += logits.detach().argmax(dim=1).eq(targets).sum()
-        totals[2] += targets.size(0)
+        # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch). What
+        # counts: each image, or each target token (the text task's padding and boundaries count for nothing).
+        counted = targets.ne(experiment.IGNORE_INDEX).sum()
+        totals[0] += raw_loss.detach().double() * counted
+        totals[1] += logits.detach().argmax(dim=-1).eq(targets).sum()
+        totals[2] += counted
         images += targets.size(0)
         progress.update(index + 1, images)
         epoch.micro_batch = index + 1
@@ -226,8 +216,7 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
     progress.start(label, len(loader), "batches")
     images = 0
     for done, (inputs, targets) in enumerate(loader, start=1):
-        inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)
-        targets = targets.to(device, non_blocking=True)
+        inputs, targets = to_device(inputs, device), targets.to(device, non_blocking=True)
         with autocast():
             logits = ddp_model(inputs)
             loss = criterion(logits, targets)
@@ -244,6 +233,12 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
     return totals[0].item() / count, confusion.diagonal().sum().item() / count, confusion.cpu()
 
 
+def to_device(inputs, device):
+    """Images in the CNN's channels_last layout; the text task's rows of bytes as they are."""
+    layout = MEMORY_FORMAT if inputs.dim() == 4 else torch.preserve_format
+    return inputs.to(device, non_blocking=True, memory_format=layout)
+
+
 # ----------------------------------------------------------------------------- one run
 
 
@@ -252,15 +247,16 @@ def run(args, place):
     device, group = setup.device, setup.group
     plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
     config = records.run_config(args, place, setup)
-    majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
+    text = args.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
 
-    model = CifarCNN(activation_checkpointing=args.activation_checkpointing)
+    model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
     model = model.to(device, memory_format=MEMORY_FORMAT)
     ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
-    criterion = nn.CrossEntropyLoss()
+    criterion = language.TokenCrossEntropy() if text else nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
     config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
+    config.update(language.text_config(args) if text else {})
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     autocast = partial(setup.precision.autocast, device.type)
 
@@ -269,6 +265,8 @@ def run(args, place):
         profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(plan), device, comm_audit)
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
+    evaluate_on = partial(language.evaluate if text else evaluate, ddp_model, criterion=criterion, device=device,
+                          autocast=autocast, progress=progress, group=group)  # fmt: skip
     session = resume.Session(args, place, config, device)  # a saved state to resume from, or none
     if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
         return
@@ -288,16 +286,16 @@ def run(args, place):
             torch.cuda.reset_peak_memory_stats(device)
         epoch.segment_started = audit.read_clock(device)
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
+        # The text task's divisors follow from its tokens (--loss-normalization); the windows stay the plan's.
+        epoch_plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
         with profiled or nullcontext(), audit.ddp_errors_explained():
             train_epoch(
-                ddp_model, setup.loaders.train, plan, args.mode, optimizer, criterion, device, autocast, progress,
+                ddp_model, setup.loaders.train, epoch_plan, args.mode, optimizer, criterion, device, autocast, progress,
                 profiled, epoch, session,
             )  # fmt: skip
         validation_started = audit.read_clock(device)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        validation = evaluate(
-            ddp_model, setup.loaders.validation, criterion, device, autocast, progress, "validation", group
-        )
+        validation = evaluate_on(setup.loaders.validation, label="validation")
         train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
         phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
         epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
@@ -316,14 +314,16 @@ def run(args, place):
         session.epoch_end(epoch)  # saves the state; stops here if a rank was asked to
 
     progress.prefix = ""
-    test_loss, test_accuracy, confusion = evaluate(
-        ddp_model, setup.loaders.test, criterion, device, autocast, progress, "test", group
-    )
-    if is_writer:
+    test = evaluate_on(setup.loaders.test, label="test")
+    if is_writer and text:
+        report, record = language.write_results(folder, args, config, test, setup.split, model, run_id, started_at)
+    elif is_writer:
+        majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
         report, record = records.write_results(
-            folder, args, config, confusion, majority, ddp_model.module, setup.source.test_images[0],
-            (test_loss, test_accuracy), run_id, started_at,
+            folder, args, config, test[2], majority, ddp_model.module, setup.source.test_images[0], test[:2],
+            run_id, started_at,
         )  # fmt: skip
+    if is_writer:
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
         folder.publish({**record, "launch_id": place.job, "segments": session.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)

@@ -23,7 +23,7 @@ when both runs were profiled.
 import tempfile
 from pathlib import Path
 
-from lab import certify, checks, experiment, resume, tables
+from lab import certify, checks, experiment, language, resume, tables
 from lab.cli import ArgumentParser, LabError, exit_with
 from lab.records import (
     CONFUSION_FILE,
@@ -62,6 +62,13 @@ def parse_args():
 
 def audit_run(folder, mode, record, expected_config, sizes, strict):
     history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
+    if record["config"].get("task") == "text":  # the second task: its report and model, no pictures of images
+        report = language.check_report(folder / REPORT_FILE, mode, record)
+        if strict:
+            language.check_learned(folder / REPORT_FILE, report)
+        language.check_model(folder / MODEL_FILE, mode, record)
+        checks.check_checksums(folder, record)
+        return history, report, check_profile(folder, record, history)
     try:
         report = checks.check_report(folder / REPORT_FILE, mode, record)
     except AuditError as error:
@@ -101,15 +108,19 @@ def main():
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
             certify.check_real_data(artifacts / mode, record)
         certify.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
-        expected_config = experiment.DOCUMENTED
+        # The text task's sizes follow from the corpus of the run's Python (its fingerprint, compared above).
+        text = config.get("task") == "text"
+        expected_config = {**config, **experiment.TEXT_DOCUMENTED} if text else experiment.DOCUMENTED
     platform = ", ".join(f"{key} {config.get(key)}" for key in certify.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
-    sizes = experiment.comm_sizes(CifarCNN())
+    sizes = experiment.comm_sizes(language.ByteTransformer() if config.get("task") == "text" else CifarCNN())
     runs = {
         mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, not args.expect_from_config)
         for mode in experiment.MODES
     }
     checks.check_same_saved_activations(runs, artifacts)
+    if not args.expect_from_config and config.get("task") == "text":
+        certify.check_token_normalization(artifacts / "every" / RUN_RECORD_FILE, runs, config)
     for mode, (history, _, _) in runs.items():
         for row in history:
             for index in row["resumed_at"]:

@@ -10,6 +10,8 @@ per concern; docs/architecture.md draws what flows between them.
     checklist    the document's checklist observed: witnesses of what a run did, and verify.py's check of each item
     data         CIFAR-10's two layouts, the decode cache, the seeded split and the samplers
     loaders      the two loaders (tensor, PIL) over the split, and an epoch's batches from any batch on
+    packed       the text task's corpus, split by document, packed rows, and the tokens of every window
+    language     the text task's byte transformer, its per-token loss, evaluation, continuation and report
     audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
     launch       where a process runs, and every rank's agreement on options, device, precision and data
     resume       the run's state saved at epochs' and windows' ends, resumed bit for bit; SIGTERM as a stop

@@ -3,11 +3,12 @@ saw in each epoch; the strict audit's hold on every documented key; the checklis
 A refusal is one line naming the file, the epoch, the micro-batch or step, what was seen, and the item.
 """
 
+import functools
 import math
 
 import torch
 
-from lab import experiment
+from lab import experiment, packed
 from lab.checklist import loss_scale_bounds
 from lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
 
@@ -155,6 +156,8 @@ def check_rank(path, number, who, seen, row, config, plan):
         )
         divisors += [(index, entry[2]) for index in range(entry[0], entry[1])]
     planned = [(index, micro_step.loss_divisor) for index, micro_step in enumerate(plan)]
+    if config.get("task") == "text":
+        planned, divisors = token_divisors(path, number, at, seen, config, plan, divisors)
     difference = first_difference(divisors, planned)
     if difference is not None:
         _, have, want = difference
@@ -204,11 +207,7 @@ def check_rank(path, number, who, seen, row, config, plan):
     if seen["loss_short_of_samples"]:
         refuse(path, number, at(f"micro-batch {seen['loss_short_of_samples'][0]}"), "its loss took fewer samples "
                "than its forward", 3)  # fmt: skip
-    windows, window = [], []
-    for index, micro_step in enumerate(plan):
-        window.append(index)
-        if micro_step.step:
-            windows, window = windows + [window], []
+    windows = window_indices(plan)
     expected_samples = [world_size * sum(sizes[index] for index in window) for window in windows]
     expected_forwards = [world_size * len(window) for window in windows]
     for key, expected, what in (
@@ -238,15 +237,116 @@ def check_rank(path, number, who, seen, row, config, plan):
                f"step hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
 
 
+def window_indices(plan):
+    """The micro-batch indices of each window of the plan."""
+    windows, window = [], []
+    for index, micro_step in enumerate(plan):
+        window.append(index)
+        if micro_step.step:
+            windows, window = windows + [window], []
+    return windows
+
+
+def token_divisors(path, number, at, seen, config, plan, divisors):
+    """The text task's loss scale (checklist.loss_scale against the world size times the summed token loss): each
+    micro-batch's divisor is its window's target tokens over every rank (the average witness's sum) under
+    `tokens`, or the world size x the window's length x its own tokens under `micro-batch`; the tokens are
+    those the loss took (the witness at the criterion), and each window's must be what the packing gives for
+    the run's seed and epoch (recomputed here when this Python has the run's corpus). Returns (expected,
+    seen) per micro-batch, the seen rounded to the expected where within the bound."""
+    tokens = [value for value, count in seen.get("micro_batch_tokens", []) for _ in range(count)]
+    totals = [value for value, count in seen.get("step_tokens", []) for _ in range(count)]
+    windows = window_indices(plan)
+    if len(tokens) != len(plan) or len(totals) != len(windows):
+        refuse(path, number, at(""), f"the witness saw {len(tokens)} micro-batches' and {len(totals)} windows' tokens, "
+               f"the plan has {len(plan)} and {len(windows)}", 3)  # fmt: skip
+    packing = packed_window_tokens(config, plan, number - 1)
+    if packing is not None and packing != totals:
+        step, have, want = first_difference(totals, packing)
+        refuse(path, number, at(f"optimizer step {step + 1}"), f"{have} target tokens over all ranks went into it, "
+               f"the packing gives {want}", 3)  # fmt: skip
+    expected = []
+    for window, total in zip(windows, totals):
+        for index in window:
+            if config["loss_normalization"] == "tokens":
+                expected.append((index, total))
+            else:
+                expected.append((index, config["world_size"] * plan[index].loss_divisor * tokens[index]))
+    bound = loss_scale_bounds(torch.bfloat16 if config.get("precision") == "bf16" else torch.float32)[0]
+    close = [
+        (index, want) if abs(have - want) <= bound * want + 0.5 else (index, have)
+        for (index, have), (_, want) in zip(divisors, expected)
+    ]
+    return expected, close + divisors[len(expected) :]
+
+
+def packed_window_tokens(config, plan, epoch):
+    """Each window's target tokens over every rank, from the packing of this Python's corpus for the run's seed
+    and epoch; None when this Python's corpus is not the run's (its fingerprint differs)."""
+    row_tokens = packed_row_tokens(config.get("data_fingerprint"), config["seed"], config["world_size"])
+    if row_tokens is None:
+        return None
+    counts = packed.window_tokens(row_tokens, plan, config["seed"], epoch, config["world_size"],
+                                  config["batch_size"])  # fmt: skip
+    return [counts[window[0]] for window in window_indices(plan)]
+
+
+@functools.cache
+def packed_row_tokens(fingerprint, seed, world_size):
+    """The target tokens of each train row, packed from this Python's corpus; None if it is not the run's."""
+    source = packed.load_corpus()
+    if source.fingerprint != fingerprint:
+        return None
+    return packed.make_split(source, seed, 0, world_size).parts["train"].tokens
+
+
 def check_documented(path, config):
-    """The strict audit: the run is the document's experiment, key by key (the first that differs is named);
-    platform choices are printed by verify.py, not compared."""
-    for key, value in experiment.DOCUMENTED.items():
-        if config.get(key) != value:
+    """The strict audit: the run is the document's experiment (or the text task's documented one), key by key
+    (the first that differs is named); platform choices are printed by verify.py, not compared. The text task's
+    normalization is held after the audit, by check_token_normalization, which names the bias it measured."""
+    for key, value in experiment.documented(config.get("task")).items():
+        if config.get(key) != value and key != "loss_normalization":
             raise AuditError(
                 f"{path}: config {key}={config.get(key)!r} is not the documented experiment's {value!r}: run the "
                 f"documented experiment, or audit these runs against their own configuration with --expect-from-config"
             )
+
+
+def expand(runs_of_values):
+    return [value for value, count in runs_of_values for _ in range(count)]
+
+
+def token_weights(row, config):
+    """Per micro-batch of every rank: how much each of its tokens weighed in its window's update, against its
+    share (1 / the window's tokens over every rank), as the loss-scale witness saw it: the window's tokens over
+    the divisor the gradient at the logits showed (checklist.loss_scale against the world size x the token sum)."""
+    plan_windows = expand(row["checklist"]["ranks"][0]["step_tokens"])
+    weights = []
+    for rank in row["checklist"]["ranks"]:
+        divisors = {i: divisor for start, stop, divisor in rank["loss_divisors"] for i in range(start, stop)}
+        window, index = 0, 0
+        for step_micro_batches, count in rank["step_micro_batches"]:
+            for _ in range(count):
+                for _ in range(step_micro_batches // config["world_size"]):
+                    weights.append(plan_windows[window] / divisors[index])
+                    index += 1
+                window += 1
+    return weights
+
+
+def check_token_normalization(path, runs, config):
+    """The strict audit of the text task: per-token normalization, or a refusal naming how unequally the run's
+    tokens weighed (the loss-scale witness's divisors against the windows' tokens)."""
+    if config["loss_normalization"] != experiment.TEXT_DOCUMENTED["loss_normalization"]:
+        weights = [
+            weight for history, _, _ in runs.values() for row in history for weight in token_weights(row, config)
+        ]
+        raise AuditError(
+            f"{path}: config loss_normalization={config['loss_normalization']!r}: the runs' tokens weighed "
+            f"{min(weights):.3f}x to {max(weights):.3f}x their share of their window's update (measured at the "
+            f"logits), not 1x; the documented text task normalizes by tokens: rerun with --loss-normalization "
+            f"tokens, or audit these runs against their own configuration with --expect-from-config"
+        )
 
 
 PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_checkpointing", "nodes")

@@ -50,13 +50,19 @@ def loss_scale_bounds(gradient_dtype):
 CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
 
 
-def loss_scale(logits, targets, gradient):
+def loss_scale(logits, targets, gradient, token_scale=None):
     """[divisor, residual] of the gradient that reached the logits: it fitted as the mean cross-entropy's own
     gradient divided by the divisor, that gradient recomputed by torch's kernels on the same float32 logits (a
-    confident batch's cancellations are then the same in both); the residual relative to it."""
+    confident batch's cancellations are then the same in both); the residual relative to it. With token_scale
+    (the text task: the world size) the reference is token_scale times the summed token cross-entropy, so that
+    the divisor is the window's global token count under per-token normalization."""
     with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
         leaf = logits.detach().float().requires_grad_()
-        (mean_loss_gradient,) = torch.autograd.grad(CROSS_ENTROPY(leaf, targets), leaf)
+        if token_scale is None:
+            reference = CROSS_ENTROPY(leaf, targets)
+        else:  # ignore_index: experiment.IGNORE_INDEX, cross_entropy's default
+            reference = CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), reduction="sum") * token_scale
+        (mean_loss_gradient,) = torch.autograd.grad(reference, leaf)
     expected, seen = mean_loss_gradient.double(), gradient.double()
     divisor = expected.square().sum() / (seen * expected).sum()
     return torch.stack([divisor, (seen * divisor - expected).norm() / expected.norm()])
@@ -82,12 +88,15 @@ class ChecklistTrace:
     loss_short: list = field(default_factory=list)  # micro-batches whose loss took fewer samples than the forward
     state_points: list = field(default_factory=list)  # per observation: (point, micro-batch)
     gradient_states: list = field(default_factory=list)  # per observation, on the device: [fresh, off]
-    averages: list = field(default_factory=list)  # per step: [synced, mean of locals, bound, samples, forwards]
+    averages: list = field(
+        default_factory=list
+    )  # per step: [synced, mean of locals, bound, samples, forwards(, tokens)]
+    micro_batch_tokens: list = field(default_factory=list)  # the text task: target tokens per loss, on the device
 
     def to(self, device):
         """A copy with its device tensors on `device`, each list moved in one copy."""
         moved = ChecklistTrace(**vars(self))
-        for name in ("loss_scales", "gradient_states", "averages"):
+        for name in ("loss_scales", "gradient_states", "averages", "micro_batch_tokens"):
             values = getattr(self, name)
             setattr(moved, name, list(torch.stack(values).to(device).unbind()) if values else [])
         return moved
@@ -133,8 +142,9 @@ class Witness:
         self.awaiting_loss = False
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
-        # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs].
-        self.window = torch.zeros(5, dtype=torch.float64, device=device)
+        # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
+        self.counts_tokens = getattr(criterion, "counts_tokens", False)
+        self.window = torch.zeros(6 if self.counts_tokens else 5, dtype=torch.float64, device=device)
         self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
         self.window_syncs = 0
         self.wire_dtype = torch.float32
@@ -200,6 +210,10 @@ class Witness:
             if targets.shape[0] != self.awaiting_loss:  # a loss over part of the forward's batch
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
+            if self.counts_tokens:  # the targets that count, as the loss took them
+                tokens = targets.ne(experiment.IGNORE_INDEX).sum()
+                self.trace.micro_batch_tokens.append(tokens)
+                self.window[5] += tokens
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
@@ -210,7 +224,8 @@ class Witness:
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient))
+        token_scale = self.comm_audit.world_size if self.counts_tokens else None
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale))
         self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -311,7 +326,7 @@ class Witness:
             world_size + 1
         ) * gap * math.sqrt(self.elements) * summed[4]
         mean = summed[0] / world_size
-        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, summed[2], summed[3]]))
+        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, *summed[2:4], *summed[5:]]))
         self.window.zero_()
         self.synced_observed.zero_()
         self.window_syncs = 0
@@ -361,7 +376,7 @@ def summarize(trace, state_steps):
         residual = max(residual, off if math.isfinite(off) else math.inf)
     off_average = [
         {"optimizer_step": step, "synced": synced, "mean_of_ranks": mean, "bound": bound}
-        for step, (synced, mean, bound, _, _) in enumerate(averages, 1)
+        for step, (synced, mean, bound, *_) in enumerate(averages, 1)
         if not abs(synced - mean) <= bound
     ]
 
@@ -371,7 +386,14 @@ def summarize(trace, state_steps):
             [index for (point, index), (fresh, off) in observed if keep(point, fresh, off)]
         )
 
+    tokens = {}
+    if trace.micro_batch_tokens:  # the text task: per micro-batch on this rank, per step over every rank
+        tokens = {
+            "micro_batch_tokens": runs_of(torch.stack(trace.micro_batch_tokens).tolist()),
+            "step_tokens": runs_of([int(step[5]) for step in averages]),
+        }
     return {
+        **tokens,
         "micro_batches": trace.micro_batches,
         "samples": trace.samples,
         "backwards": trace.backwards,
@@ -383,8 +405,8 @@ def summarize(trace, state_steps):
         "loss_scale_deviation": deviation if math.isfinite(deviation) else None,
         "loss_scale_residual": residual if math.isfinite(residual) else None,
         "loss_short_of_samples": trace.loss_short,
-        "step_samples": runs_of([int(samples) for *_, samples, _ in averages]),
-        "step_micro_batches": runs_of([int(forwards) for *_, forwards in averages]),
+        "step_samples": runs_of([int(step[3]) for step in averages]),
+        "step_micro_batches": runs_of([int(step[4]) for step in averages]),
         "averages_checked": len(averages),
         "first_average_off": off_average[0] if off_average else None,
         "optimizer_state_steps": state_steps - trace.state_steps_before,

@@ -17,6 +17,7 @@ from lab.records import (
     HISTORY_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,
+    TEXT_RUN_FILES,
     AuditError,
     check,
     describe_unfinished,
@@ -69,7 +70,7 @@ def read_run_record(folder, mode):
     check(record.get("mode") == mode, path, f"expected mode={mode}, got {record.get('mode')}")
     check(isinstance(record.get("config"), dict), path, "no config")
     check(isinstance(record.get("files"), dict), path, "no files list")
-    for name in RUN_FILES:
+    for name in TEXT_RUN_FILES if record["config"].get("task") == "text" else RUN_FILES:
         entry = record["files"].get(name)
         check(
             isinstance(entry, dict) and is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str),

@@ -89,7 +89,7 @@ class Progress:
         self.label, self.total, self.unit = f"{self.prefix}{label}", total, unit
         self.started = self.last_line = time.perf_counter()
 
-    def update(self, done, images):
+    def update(self, done, samples):
         now = time.perf_counter()
         if not self.enabled or now - self.last_line < self.interval:
             return
@@ -97,7 +97,7 @@ class Progress:
         elapsed = now - self.started
         left = elapsed / done * (self.total - done)
         print(
-            f"{self.label}: {done}/{self.total} {self.unit}, {images / elapsed:.0f} img/s per rank, "
+            f"{self.label}: {done}/{self.total} {self.unit}, {samples / elapsed:.0f} samples/s per rank, "
             f"about {left:.0f} s left",
             file=sys.stderr,
             flush=True,

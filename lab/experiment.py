@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from lab.cli import LabError
 
 MODES = ("every", "no_sync")
+TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (lab/packed.py, docs/packed.md)
+# How the text task divides a micro-batch's mean token loss before backward(): by the window's global token
+# count over its own (tokens: every token weighs the same), or by the window's length (micro-batch: the bias).
+LOSS_NORMALIZATIONS = ("tokens", "micro-batch")
+IGNORE_INDEX = -100  # torch's cross_entropy default: a target that counts for nothing (padding, boundaries)
 PARTIAL_WINDOW_POLICIES = ("error", "scale")
 BUCKET_CAP_MB = 25.0  # explicit: DDP's default would cap the first bucket at 1 MiB and split the gradients in two
 # DDP holds the cap in bytes, int(MB * 2**20), as a signed 64-bit integer: caps from 2**43 MB on overflow it.
@@ -47,6 +52,26 @@ DOCUMENTED = {
     "augmentation": "RandomCrop(32, padding=4), RandomHorizontalFlip(0.5)",
     **DDP_DEFAULTS,
 }
+# The text task's own documented configuration (docs/packed.md): 8 rows of 128 bytes per micro-batch, the same
+# window; its sizes follow from the corpus of the Python that runs it (hashed into its data fingerprint), and
+# a short last window is normalized by its own tokens.
+TEXT_DOCUMENTED = {
+    **{key: DOCUMENTED[key] for key in ("world_size", "accum_steps", "seed", "learning_rate", "weight_decay")},
+    "task": "text",
+    "batch_size": 8,
+    "epochs": 8,
+    "partial_window": "scale",
+    "loss_normalization": "tokens",
+    "augmentation": "none",
+    **DDP_DEFAULTS,
+}
+
+
+def documented(task):
+    """The documented configuration of a task (train.py's defaults for it, strict verify's hold)."""
+    return TEXT_DOCUMENTED if task == "text" else DOCUMENTED
+
+
 # The strict audit's floor for the documented run's test accuracy. Every documented run measured reaches
 # 0.70 to 0.71, in BF16 and in float32, on two CPU kinds; the majority baseline is 0.10, and a run whose
 # gradients never reach its weights stays there. Half-way leaves room for other seeds and hardware.
@@ -98,7 +123,19 @@ def seed_range_error(seed, epochs, world_size):
 
 
 def in_range(parser, args):
-    """train.py's options whose range depends on torch's limits or on other options, checked at parse time."""
+    """train.py's options whose range depends on torch's limits or on other options, checked at parse time;
+    the task's documented values for those not given."""
+    for name in ("epochs", "batch_size", "partial_window"):
+        if getattr(args, name) is None:
+            setattr(args, name, documented(args.task)[name])
+    if args.task == "text" and args.loader != "tensor":
+        parser.error("argument --loader: the text task has one loader (its packed rows on the device); drop --loader")
+    if args.task != "text" and args.loss_normalization is not None:
+        parser.error(
+            "argument --loss-normalization: the text task's (--task text); the image task divides by the window"
+        )
+    if args.task == "text" and args.loss_normalization is None:
+        args.loss_normalization = TEXT_DOCUMENTED["loss_normalization"]
     seed_error = seed_range_error(args.seed, args.epochs, args.expected_world_size)
     if seed_error:
         parser.error(f"argument --seed: {seed_error}")

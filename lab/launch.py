@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torchvision
 
-from lab import data, experiment, loaders
+from lab import data, experiment, loaders, packed
 from lab.cli import ArgumentParser, LabError
 from lab.precision import choose_precision
 from lab.records import claim_output, is_replaceable_output
@@ -229,6 +229,8 @@ def shared_settings(args):
             "resume",
             "checkpoint_every_windows",
             "gpu_backend",
+            "task",
+            "loss_normalization",
             *experiment.DDP_DEFAULTS,
         )
     }
@@ -275,39 +277,31 @@ def start_up(args, place):
         "its train.py options differ",
         "start train.py with the same options on every node",
     )
-    require_same(
-        place,
-        {"device": device_type},
-        "its device differs",
-        "give every node one GPU per process, or pass --device cpu on every node",
-    )
+    remedy = "give every node one GPU per process, or pass --device cpu on every node"
+    require_same(place, {"device": device_type}, "its device differs", remedy)
     code = code_and_versions()
-    require_same(
-        place,
-        code,
-        "its code or versions differ",
-        "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node",
-    )
+    remedy = "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node"
+    require_same(place, code, "its code or versions differ", remedy)
     device = torch.device("cpu")
     if device_type == "cuda":  # a GPU per process, or with --gpu-backend gloo processes sharing them in turn
         device = torch.device("cuda", place.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     precision, hardware = agree_on_precision(args, place, device)
+    text = args.task == "text"  # its corpus ships with Python: nothing to fetch, the same on every node's Python
     # One process per node fetches the data for its node; the node's other processes wait here for it.
-    agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 else None)
-    source = agree(place, lambda: data.load_data(args.data_dir))
-    require_same(
-        place,
-        source.summary(),
-        f"its data in {args.data_dir}/ differ",
-        "give every node the same copy of the dataset",
-    )
+    agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 and not text else None)
+    source = agree(place, packed.load_corpus if text else lambda: data.load_data(args.data_dir))
+    where = f"Python's {packed.CORPUS}" if text else f"{args.data_dir}/"
+    require_same(place, source.summary(), f"its data in {where} differ", "give every node the same copy of the dataset")
     group = training_group(device, args.gpu_backend)
     seed_everything(args.seed + place.rank)
-    split = data.make_split(source, args.seed, place.rank, place.world_size)
-    rank_loaders = loaders.build_loaders(
-        args.loader, source, split, args.batch_size, place.rank, place.world_size, device, args.seed + place.rank
-    )
+    split = (packed if text else data).make_split(source, args.seed, place.rank, place.world_size)
+    if text:
+        rank_loaders = packed.build_loaders(split, args.batch_size, place.rank, place.world_size, device)
+    else:
+        rank_loaders = loaders.build_loaders(
+            args.loader, source, split, args.batch_size, place.rank, place.world_size, device, args.seed + place.rank
+        )
     backend = dist.get_backend(group)
     return Setup(device, group, backend, code, precision, hardware, output_claim, source, split, rank_loaders)
 

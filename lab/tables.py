@@ -6,6 +6,7 @@ next to the run folders (or in the folder verify.py --pictures names).
 import json
 
 from lab import pictures
+from lab.certify import expand, token_weights
 from lab.records import png_bytes, write_atomic
 
 # Pictures verify.py draws from both runs, next to the run folders.
@@ -43,7 +44,7 @@ def print_tables(runs, config):
     print(f"Communication per rank, totals over {epochs} epochs (comm and epoch seconds: means over ranks):")
     print(
         "| mode | gradient syncs | hook calls | all-reduce MB | buffer-broadcast collectives | broadcast KB "
-        "| bucket-rebuild collectives | comm s | epoch s | images/s |"
+        f"| bucket-rebuild collectives | comm s | epoch s | {'tokens' if config.get('task') == 'text' else 'images'}/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
@@ -82,8 +83,45 @@ def print_tables(runs, config):
         peak = "/".join(f"{value / 1e6:.1f}" for value in peaks) if peaks[0] is not None else "n/a (CPU)"
         print(f"| {mode} | {checkpointing} | {history[0]['saved_activation_bytes'] / 1e6:.2f} | {peak} |")
     print()
+    if config.get("task") == "text":
+        print_text_tables(runs, config)
+        return
     print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
     print("top confusions:", no_sync_report["top_confusions"])
+
+
+def print_text_tables(runs, config):
+    """The text task: tokens per micro-batch and window, how the tokens weighed, the collectives by kind, the
+    test in loss per token, perplexity and bits per byte, and the greedy continuation."""
+    print(f"Target tokens ({config['loss_normalization']} normalization; min-max over the epochs and ranks):")
+    print("| mode | per micro-batch | per window, all ranks | token weight vs its share (loss-scale witness) |")
+    print("|---|---:|---:|---:|")
+    for mode, (history, _, _) in runs.items():
+        ranks = [rank for row in history for rank in row["checklist"]["ranks"]]
+        micro = [value for rank in ranks for value in expand(rank["micro_batch_tokens"])]
+        window = [value for rank in ranks for value in expand(rank["step_tokens"])]
+        weights = [weight for row in history for weight in token_weights(row, config)]
+        print(f"| {mode} | {min(micro)}-{max(micro)} | {min(window)}-{max(window)} | "
+              f"{min(weights):.4f}x-{max(weights):.4f}x |")  # fmt: skip
+    print()
+    print("Collectives per rank by kind, totals (the window's token count comes from the packing: no collective):")
+    print("| mode | gradient all-reduces | rank-agreement all-reduces | average-witness all-reduces | broadcasts "
+          "| token-count collectives |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, (history, _, _) in runs.items():
+        broadcasts = total(history, "buffer_broadcast_collectives") + total(history, "rebuild_broadcast_collectives")
+        print(f"| {mode} | {total(history, 'sync_bucket_calls')} | {total(history, 'optimizer_steps')} | "
+              f"{total(history, 'witness_allreduces')} | {broadcasts} | 0 |")  # fmt: skip
+    print()
+    print("| mode | test loss per token | perplexity | bits per byte | next-byte accuracy | unigram baseline loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, (_, report, _) in runs.items():
+        print(f"| {mode} | {report['model_test_loss']:.4f} | {report['model_test_perplexity']:.2f} | "
+              f"{report['model_test_bits_per_byte']:.3f} | {report['model_test_accuracy']:.4f} | "
+              f"{report['baseline_loss']:.4f} |")  # fmt: skip
+    for mode, (_, report, _) in runs.items():
+        continuation = report["continuation"]
+        print(f"{mode}: {continuation['prompt']!r} -> {continuation['greedy']!r}")
 
 
 def print_witness(runs):

@@ -126,7 +126,7 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
 def test_progress_goes_to_stderr_and_quiet_silences_it(lab_runs):
     _, results = lab_runs
     progress = [line for line in stderr_lines(results["every"]) if "micro-batches" in line]
-    assert progress and progress[0].startswith("epoch 1/2 train: ") and "img/s per rank" in progress[0]
+    assert progress and progress[0].startswith("epoch 1/2 train: ") and "samples/s per rank" in progress[0]
     assert any(line.startswith("epoch 1/2 validation: ") for line in stderr_lines(results["every"]))
     assert not [line for line in stderr_lines(results["no_sync"]) if "micro-batches" in line or "batches," in line]
 
