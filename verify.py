@@ -64,8 +64,6 @@ def audit_run(folder, mode, record, expected_config, sizes, strict):
     history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
     if record["config"].get("task") == "text":  # the second task: its report and model, no pictures of images
         report = language.check_report(folder / REPORT_FILE, mode, record)
-        if strict:
-            language.check_learned(folder / REPORT_FILE, report)
         language.check_model(folder / MODEL_FILE, mode, record)
         checks.check_checksums(folder, record)
         return history, report, check_profile(folder, record, history)
@@ -105,12 +103,21 @@ def main():
     if args.expect_from_config:
         expected_config = config
     else:
-        for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
+        for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself, or the corpus
             certify.check_real_data(artifacts / mode, record)
+            certify.check_same_corpus(artifacts / mode / RUN_RECORD_FILE, record["config"], strict=True)
         certify.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
-        # The text task's sizes follow from the corpus of the run's Python (its fingerprint, compared above).
+        # The text task's sizes follow from the corpus of the run's Python (its fingerprint, compared above); its
+        # normalization is held once the audit has measured what it did (certify.check_token_normalization).
         text = config.get("task") == "text"
-        expected_config = {**config, **experiment.TEXT_DOCUMENTED} if text else experiment.DOCUMENTED
+        expected_config = experiment.DOCUMENTED
+        if text:
+            expected_config = {
+                **config,
+                **experiment.TEXT_DOCUMENTED,
+                "loss_normalization": config["loss_normalization"],
+            }
+    certify.check_same_corpus(artifacts / "every" / RUN_RECORD_FILE, config, strict=False)
     platform = ", ".join(f"{key} {config.get(key)}" for key in certify.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(language.ByteTransformer() if config.get("task") == "text" else CifarCNN())
@@ -121,6 +128,8 @@ def main():
     checks.check_same_saved_activations(runs, artifacts)
     if not args.expect_from_config and config.get("task") == "text":
         certify.check_token_normalization(artifacts / "every" / RUN_RECORD_FILE, runs, config)
+        for mode, (_, report, _) in runs.items():
+            language.check_learned(artifacts / mode / REPORT_FILE, report)
     for mode, (history, _, _) in runs.items():
         for row in history:
             for index in row["resumed_at"]:

@@ -300,6 +300,19 @@ def packed_row_tokens(fingerprint, seed, world_size):
     return packed.make_split(source, seed, 0, world_size).parts["train"].tokens
 
 
+def check_same_corpus(path, config, strict):
+    """The text task: the window tokens are recomputed from this Python's corpus when it is the run's. The strict
+    audit requires it; otherwise a note says that the packing was not recomputed."""
+    if config.get("task") != "text":
+        return
+    if packed_row_tokens(config.get("data_fingerprint"), config["seed"], config["world_size"]) is None:
+        message = (f"the run's corpus (fingerprint {config.get('data_fingerprint')}) is not this Python's "
+                   f"{packed.CORPUS} ({packed.load_corpus().fingerprint})")  # fmt: skip
+        if strict:
+            raise AuditError(f"{path}: {message}: run verify.py with the Python that trained")
+        print(f"note: {message}: the windows' tokens are the witnesses', not recomputed from the packing")
+
+
 def check_documented(path, config):
     """The strict audit: the run is the document's experiment (or the text task's documented one), key by key
     (the first that differs is named); platform choices are printed by verify.py, not compared. The text task's

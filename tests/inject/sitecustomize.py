@@ -39,10 +39,57 @@ LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: tor
 LAB_TEST_CHECKPOINT: --activation-checkpointing done wrong: "reentrant" checkpoints each stage with
   use_reentrant=True (the images need no gradient, so the stages get none); "statistics_twice" recomputes the
   stages without putting their BatchNorm buffers back (their statistics are updated twice per forward).
+LAB_TEST_TEXT_CHARACTERS (a number): Python's pydoc_data.topics keeps only the first that many characters of each
+  document, a smaller real corpus for the text task's tests (its fingerprint follows; verify.py sees the same).
+LAB_TEST_TEXT_NO_CORPUS=1: this Python has no pydoc_data (as some distributions ship it apart).
+LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK ("<rank>"): that rank's pydoc_data.topics holds one more document, as another
+  Python's would.
+LAB_TEST_TEXT_LOSS: the text task's loss done wrong beneath the loop: "padding_in_mean" averages the summed
+  token losses over every position of the batch (padding and boundaries counted), "first_target_dropped" has
+  the rows reach the loss with each row's first target masked (the packing's counts no longer those trained).
 """
 
 import json
 import os
+
+if os.environ.get("LAB_TEST_TEXT_NO_CORPUS"):
+    import sys
+
+    sys.modules["pydoc_data"] = None  # import pydoc_data... raises ImportError
+
+if os.environ.get("LAB_TEST_TEXT_CHARACTERS") or os.environ.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK"):
+    import pydoc_data.topics
+
+    if os.environ.get("LAB_TEST_TEXT_CHARACTERS"):
+        characters = int(os.environ["LAB_TEST_TEXT_CHARACTERS"])
+        pydoc_data.topics.topics = {name: text[:characters] for name, text in pydoc_data.topics.topics.items()}
+    other_on_rank = os.environ.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK")
+    if other_on_rank is not None and other_on_rank == os.environ.get("RANK"):
+        pydoc_data.topics.topics = {**pydoc_data.topics.topics, "zzz-another-python": "A document of another Python."}
+
+if os.environ.get("LAB_TEST_TEXT_LOSS") == "padding_in_mean":
+    from torch.nn import functional
+
+    from lab import language
+
+    def mean_over_every_position(self, logits, targets):
+        summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+        return summed / targets.numel()
+
+    language.TokenCrossEntropy.forward = mean_over_every_position
+
+if os.environ.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
+    from lab import experiment, packed
+
+    original_batches = packed.RowLoader.batches
+
+    def batches_without_first_targets(self, start):
+        for inputs, targets in original_batches(self, start):
+            targets = targets.clone()
+            targets[:, 0] = experiment.IGNORE_INDEX
+            yield inputs, targets
+
+    packed.RowLoader.batches = batches_without_first_targets
 
 if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
     from torchvision.datasets import CIFAR10

@@ -1,0 +1,226 @@
+"""The text task (train.py --task text; docs/packed.md): packed rows of Python's own documentation, per-token loss
+normalization, and the audit that reads the tokens a run's loss took.
+
+The runs train on the real corpus cut to its documents' first 600 characters (tests/inject/sitecustomize.py's
+LAB_TEST_TEXT_CHARACTERS; verify.py runs under it too, so that it packs the same corpus): 379 rows, 309 of them
+train, 20 micro-batches of 8 rows per rank and epoch, 5 windows. The proof (tests/workers/text_equivalence.py)
+uses real packed rows of the whole corpus.
+"""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from conftest import (
+    WORKERS,
+    assert_ok,
+    assert_train_error,
+    read_json,
+    run_python,
+    subprocess_env,
+    torchrun,
+)
+from lab import experiment, packed, records
+
+CHARACTERS = 600
+TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
+FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters at every step
+# BF16 autocast, first update: the same BF16 products on both sides (the same rows through the same kernels),
+# only the float32 sums of at most 8 micro-batch gradients in another order: 8 float32 roundings, 5e-7.
+BFLOAT16_FIRST_STEP_TOLERANCE = 1e-6
+
+
+def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
+    return torchrun(
+        "train.py", "--task", "text", "--mode", mode, "--output", output, "--device", "cpu", "--quiet", *extra,
+        env=env, launcher=launcher,
+    )  # fmt: skip
+
+
+def text_verify(artifacts, *extra, env=TEXT_ENV):
+    return run_python("verify.py", "--artifacts", artifacts, *extra, env=env)
+
+
+def small_corpus():
+    """The corpus the runs see: each document's first CHARACTERS characters, packed by the lab."""
+    source = packed.load_corpus()
+    source.documents = [document.decode()[:CHARACTERS].encode() for document in source.documents]
+    return source
+
+
+@pytest.fixture(scope="module")
+def documented(tmp_path_factory):
+    """Both modes at the text task's documented configuration, per-token normalized, and the same pair at
+    micro-batch normalization."""
+    artifacts = tmp_path_factory.mktemp("text")
+    for normalization in experiment.LOSS_NORMALIZATIONS:
+        for mode in experiment.MODES:
+            extra = ["--loss-normalization", normalization]
+            assert_ok(text_train(artifacts / normalization / mode, mode, *extra))
+    return artifacts
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """A clean `every` run of one epoch, beside which broken no_sync runs are audited."""
+    artifacts = tmp_path_factory.mktemp("text-one-epoch")
+    assert_ok(text_train(artifacts / "every", "every", "--epochs", "1"))
+    return artifacts
+
+
+def test_packing_keeps_every_document_whole_and_masks_boundaries_and_padding():
+    documents = [b"abc", b"x" * 10, b"hello world"]
+    rows = packed.pack(documents, row_length=8)
+    inputs, targets = rows.inputs.tolist(), rows.targets.tolist()
+    # "abc" + separator (4 tokens) fits a row of 9; "xxxxxxxxxx" + separator (11) fills rows of its own, each
+    # starting on the last token of the one before; "hello world" + separator (12) the same.
+    stream = [token for row in packed.pack([b"".join(documents)], row_length=1000).inputs.tolist() for token in row]
+    assert stream[:24] == list(b"abcxxxxxxxxxxhello world")
+    assert inputs[0] == [*b"abc", 0, 0, 0, 0, 0]  # padded after its separator
+    assert targets[0] == [*b"bc", 0, -100, -100, -100, -100, -100]  # the end of the document is a target
+    assert inputs[1] == list(b"xxxxxxxx") and targets[1] == list(b"xxxxxxx") + [ord("x")]
+    assert inputs[2] == [ord("x"), ord("x"), 0, 0, 0, 0, 0, 0] and targets[2] == [ord("x"), 0, *[-100] * 6]
+    assert inputs[3] == list(b"hello wo") and targets[3] == list(b"ello wor")
+    assert inputs[4] == [*b"rld", 0, 0, 0, 0, 0] and targets[4] == [*b"ld", 0, *[-100] * 5]
+    assert rows.tokens.tolist() == [3, 8, 2, 8, 3]
+    # Attention stays within each document: a separator ends its document.
+    mask = packed_mask([*b"ab", 0, *b"cd"])
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+
+
+def packed_mask(tokens):
+    from lab.language import same_document
+
+    return same_document(torch.tensor([tokens]))[0, 0].int()
+
+
+def test_the_split_is_by_document_and_seeded():
+    source = small_corpus()
+    train, validation, test = packed.split_documents(len(source.documents), seed=47)
+    assert sorted(train + validation + test) == list(range(79)) and len(validation) == len(test) == 7
+    assert packed.split_documents(79, seed=47) == (train, validation, test)
+    assert packed.split_documents(79, seed=48) != (train, validation, test)
+
+
+def test_every_and_no_sync_equal_one_process_over_the_windows_tokens():
+    """float64: every step within 1e-12 of the one-process reference (measured about 5e-15); micro-batch
+    normalization and a per-rank token normalization are off by far more; BF16 autocast: the first update."""
+    result = assert_ok(torchrun(WORKERS.relative_to(WORKERS.parents[1]) / "text_equivalence.py"))
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert min(results["row_tokens"]) < 10 and max(results["row_tokens"]) == packed.ROW_LENGTH
+    exact = results["float64"]
+    for mode, syncs in (("every", 5), ("no_sync", 2)):
+        variant = exact[mode]
+        assert variant["steps"] == variant["reference_steps"] == 2 and variant["ranks_agree"]
+        assert variant["gradient_syncs"] == syncs
+        assert max(variant["grad_relative"] + variant["param_relative"]) < FLOAT64_TOLERANCE
+    for broken in ("micro_batch_normalization", "broken_per_rank_tokens"):
+        assert exact[broken]["grad_relative"][0] > 1e-3, broken
+    for mode in experiment.MODES:
+        first = results["bfloat16_autocast"][mode]
+        assert max(first["grad_relative"][0], first["param_relative"][0]) < BFLOAT16_FIRST_STEP_TOLERANCE
+
+
+def expected_window_tokens(config, epoch):
+    """Each window's target tokens over both ranks, from torch's DistributedSampler over the packed rows."""
+    row_tokens = packed.make_split(small_corpus(), config["seed"], 0, 2).parts["train"].tokens
+    orders = []
+    for rank in range(2):
+        sampler = DistributedSampler(range(len(row_tokens)), 2, rank, shuffle=True, seed=config["seed"])
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    window_rows = config["batch_size"] * config["accum_steps"]
+    per_rank = len(orders[0])
+    return [
+        sum(int(row_tokens[i]) for order in orders for i in order[start : start + window_rows])
+        for start in range(0, per_rank, window_rows)
+    ]
+
+
+def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(documented):
+    checked = assert_ok(text_verify(documented / "tokens"))
+    assert "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x" in checked.stdout
+    assert "| every | 160 | 40 | 40 | 2 | 0 |" in checked.stdout  # collectives by kind: no token-count one
+    assert "| no_sync | 40 | 40 | 40 | 2 | 0 |" in checked.stdout
+    config = read_json(documented / "tokens" / "every" / records.RUN_RECORD_FILE)["config"]
+    assert (config["task"], config["loss_normalization"], config["train_size"]) == ("text", "tokens", 309)
+    for mode, syncs in (("every", 20), ("no_sync", 5)):
+        history = read_json(documented / "tokens" / mode / records.HISTORY_FILE)
+        assert len(history) == 8
+        for epoch, row in enumerate(history):
+            assert (row["gradient_syncs"], row["optimizer_steps"]) == (syncs, 5)
+            window_tokens = expected_window_tokens(config, epoch)
+            for rank in row["checklist"]["ranks"]:
+                assert [v for v, n in rank["step_tokens"] for _ in range(n)] == window_tokens
+                assert sum(v * n for v, n in rank["micro_batch_tokens"]) < sum(window_tokens)
+        report = read_json(documented / "tokens" / mode / records.REPORT_FILE)
+        assert report["model_test_perplexity"] == math.exp(report["model_test_loss"])
+        assert report["model_test_loss"] < report["baseline_loss"] and report["continuation"]["greedy"]
+
+
+def test_strict_verify_refuses_micro_batch_normalization_naming_the_measured_bias(documented):
+    refused = text_verify(documented / "micro-batch")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "loss_normalization='micro-batch': the runs' tokens weighed " in line and "--expect-from-config" in line
+    low, high = (
+        float(value.rstrip("x")) for value in line.split(" weighed ")[1].split(" their share")[0].split(" to ")
+    )
+    assert low < 0.95 and high > 1.5  # a window's short rows: their tokens weigh far more than their share
+    checked = assert_ok(text_verify(documented / "micro-batch", "--expect-from-config"))
+    assert "AUDIT PASSED" in checked.stdout
+
+
+@pytest.mark.parametrize(
+    "broken, item, seen",
+    [
+        ("padding_in_mean", 4, "the gradient at the logits was the mean loss's divided by"),
+        ("first_target_dropped", 3, "target tokens over all ranks went into it, the packing gives"),
+    ],
+)
+def test_a_loss_broken_beneath_the_loop_is_refused(one_epoch, tmp_path, broken, item, seen):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(one_epoch, artifacts)
+    env = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_TEXT_LOSS=broken)
+    assert_ok(text_train(artifacts / "no_sync", "no_sync", "--epochs", "1", env=env))
+    refused = text_verify(artifacts, "--expect-from-config")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert seen in refused.stderr and f"[checklist item {item}:" in refused.stderr, refused.stderr
+
+
+def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_path):
+    output = tmp_path / "every"
+    env = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_KILL_AT="saved:1")
+    result = text_train(output, "every", "--epochs", "1", "--checkpoint-every-windows", "2", env=env,
+                        launcher=["--max-restarts=1"])  # fmt: skip
+    assert_ok(result)
+    assert "train.py: resuming" in result.stderr and "epoch 1, micro-batch 8, from its saved state" in result.stderr
+    resumed = torch.load(output / records.MODEL_FILE, weights_only=True)["model"]
+    uninterrupted = torch.load(one_epoch / "every" / records.MODEL_FILE, weights_only=True)["model"]
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_options_of_the_other_task_are_refused_in_one_line(tmp_path):
+    refused = torchrun("train.py", "--mode", "every", "--output", tmp_path / "a", "--loss-normalization", "tokens")
+    assert_train_error(refused, "--loss-normalization: the text task's (--task text)")
+    refused = torchrun("train.py", "--task", "text", "--mode", "every", "--output", tmp_path / "b", "--loader", "pil")
+    assert_train_error(refused, "--loader: the text task has one loader")
+
+
+def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
+    refused = text_train(tmp_path / "a", "every", env=subprocess_env(LAB_TEST_TEXT_NO_CORPUS="1"))
+    assert_train_error(refused, "the text task reads pydoc_data.topics, which this Python does not have")
+    other = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK="1")
+    refused = text_train(tmp_path / "b", "every", env=other)
+    line = assert_train_error(refused, "[rank 1, node 0] its data in Python's pydoc_data.topics differ")
+    assert "documents 80 vs 79" in line
