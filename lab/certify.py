@@ -10,6 +10,7 @@ import torch
 
 from lab import experiment, packed
 from lab.checklist import loss_scale_bounds
+from lab.cli import LabError
 from lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
 
 # The document's checklist (its last section), in its order: the Romanian text and an English gloss.
@@ -94,6 +95,7 @@ RANK_FIELDS = {
     "steps_before_backward": list,
 }
 RANK_COUNTS = ("micro_batches", "samples", "backwards", "averages_checked", "optimizer_state_steps")
+TEXT_RANK_FIELDS = ("micro_batch_tokens", "step_tokens")  # [value, count] runs of whole numbers
 
 
 def check_epoch(path, number, row, config, mode, plan):
@@ -115,6 +117,12 @@ def check_epoch(path, number, row, config, mode, plan):
         f"epoch row {number}: checklist must hold the witnesses' observations (processes, devices, and per rank "
         f"{', '.join([*RANK_FIELDS, *RANK_COUNTS])}), got {seen!r}",
     )
+    if config.get("task") == "text":
+        for rank in seen["ranks"]:
+            for name in TEXT_RANK_FIELDS:
+                runs = rank.get(name)
+                check(isinstance(runs, list) and all(isinstance(r, list) and len(r) == 2 and all(map(is_int, r))
+                      for r in runs), path, f"epoch row {number}: {name} must be [value, count] runs, got {runs!r}")  # fmt: skip
     world_size = config["world_size"]
     # 1. The processes: as many as the run's world, each rank its own, on CUDA each its own GPU.
     if len(seen["ranks"]) != world_size:
@@ -157,8 +165,8 @@ def check_rank(path, number, who, seen, row, config, plan):
         divisors += [(index, entry[2]) for index in range(entry[0], entry[1])]
     planned = [(index, micro_step.loss_divisor) for index, micro_step in enumerate(plan)]
     if config.get("task") == "text":
-        planned, divisors = token_divisors(path, number, at, seen, config, plan, divisors)
-    difference = first_difference(divisors, planned)
+        check_token_divisors(path, number, at, seen, config, plan, divisors)
+    difference = None if config.get("task") == "text" else first_difference(divisors, planned)
     if difference is not None:
         _, have, want = difference
         where = have[0] if isinstance(have, tuple) else want[0]
@@ -172,8 +180,8 @@ def check_rank(path, number, who, seen, row, config, plan):
         refuse(path, number, at(""), f"the loss divisor seen at the logits is {deviation!r} off a whole number "
                f"(bound {deviation_bound:.3g} for {config.get('precision')})", 4)  # fmt: skip
     if not (is_number(residual) and residual <= residual_bound):
-        refuse(path, number, at(""), f"the gradient at the logits is not the mean cross-entropy's (relative residual "
-               f"{residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
+        refuse(path, number, at(""), f"the gradient at the logits is not the loss's own cross-entropy gradient "
+               f"(relative residual {residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
 
     # 5 and 7. Resets only at the windows' starts; every other backward adds onto what the last one left.
     starts = window_starts(plan)
@@ -207,7 +215,7 @@ def check_rank(path, number, who, seen, row, config, plan):
     if seen["loss_short_of_samples"]:
         refuse(path, number, at(f"micro-batch {seen['loss_short_of_samples'][0]}"), "its loss took fewer samples "
                "than its forward", 3)  # fmt: skip
-    windows = window_indices(plan)
+    windows = experiment.window_indices(plan)
     expected_samples = [world_size * sum(sizes[index] for index in window) for window in windows]
     expected_forwards = [world_size * len(window) for window in windows]
     for key, expected, what in (
@@ -237,26 +245,14 @@ def check_rank(path, number, who, seen, row, config, plan):
                f"step hooks {row['optimizer_steps']} (an update inside step() run twice, or skipped)", 8)  # fmt: skip
 
 
-def window_indices(plan):
-    """The micro-batch indices of each window of the plan."""
-    windows, window = [], []
-    for index, micro_step in enumerate(plan):
-        window.append(index)
-        if micro_step.step:
-            windows, window = windows + [window], []
-    return windows
-
-
-def token_divisors(path, number, at, seen, config, plan, divisors):
-    """The text task's loss scale (checklist.loss_scale against the world size times the summed token loss): each
-    micro-batch's divisor is its window's target tokens over every rank (the average witness's sum) under
-    `tokens`, or the world size x the window's length x its own tokens under `micro-batch`; the tokens are
-    those the loss took (the witness at the criterion), and each window's must be what the packing gives for
-    the run's seed and epoch (recomputed here when this Python has the run's corpus). Returns (expected,
-    seen) per micro-batch, the seen rounded to the expected where within the bound."""
-    tokens = [value for value, count in seen.get("micro_batch_tokens", []) for _ in range(count)]
-    totals = [value for value, count in seen.get("step_tokens", []) for _ in range(count)]
-    windows = window_indices(plan)
+def check_token_divisors(path, number, at, seen, config, plan, divisors):
+    """The text task's loss scale, read exactly from the gradient that reached each loss's value (the witness at
+    the criterion): each micro-batch's divisor, times the world size and its own tokens, must be its window's
+    target tokens over every rank (the average witness's sum) under `tokens`, or the world size x the window's
+    length x its own tokens under `micro-batch`; the tokens are those the loss took, and each window's must be
+    what the packing gives for the run's seed and epoch (recomputed when this Python and torch packed the run)."""
+    tokens, totals = experiment.from_runs(seen["micro_batch_tokens"]), experiment.from_runs(seen["step_tokens"])
+    windows = experiment.window_indices(plan)
     if len(tokens) != len(plan) or len(totals) != len(windows):
         refuse(path, number, at(""), f"the witness saw {len(tokens)} micro-batches' and {len(totals)} windows' tokens, "
                f"the plan has {len(plan)} and {len(windows)}", 3)  # fmt: skip
@@ -268,49 +264,76 @@ def token_divisors(path, number, at, seen, config, plan, divisors):
     expected = []
     for window, total in zip(windows, totals):
         for index in window:
-            if config["loss_normalization"] == "tokens":
-                expected.append((index, total))
-            else:
-                expected.append((index, config["world_size"] * plan[index].loss_divisor * tokens[index]))
-    bound = loss_scale_bounds(torch.bfloat16 if config.get("precision") == "bf16" else torch.float32)[0]
-    close = [
-        (index, want) if abs(have - want) <= bound * want + 0.5 else (index, have)
-        for (index, have), (_, want) in zip(divisors, expected)
-    ]
-    return expected, close + divisors[len(expected) :]
+            per_micro_batch = config["world_size"] * plan[index].loss_divisor * tokens[index]
+            expected.append((index, total if config["loss_normalization"] == "tokens" else per_micro_batch))
+    difference = first_difference(divisors, expected)
+    if difference is not None:
+        _, have, want = difference
+        where = have[0] if isinstance(have, tuple) else want[0]
+        seen_divisor = have[1] if isinstance(have, tuple) else "no backward"
+        refuse(path, number, at(f"micro-batch {where}"), f"its loss was divided as if its window held {seen_divisor} "
+               f"target tokens over all ranks ({config['loss_normalization']} normalization expects "
+               f"{want[1] if isinstance(want, tuple) else 'none'})", 4)  # fmt: skip
 
 
 def packed_window_tokens(config, plan, epoch):
     """Each window's target tokens over every rank, from the packing of this Python's corpus for the run's seed
-    and epoch; None when this Python's corpus is not the run's (its fingerprint differs)."""
-    row_tokens = packed_row_tokens(config.get("data_fingerprint"), config["seed"], config["world_size"])
-    if row_tokens is None:
+    and epoch; None when this Python or torch could not have packed the run (recomputed_packing)."""
+    packing = recomputed_packing(
+        config.get("data_fingerprint"), config.get("torch"), config["seed"], config["world_size"]
+    )
+    if isinstance(packing, str):
         return None
-    counts = packed.window_tokens(row_tokens, plan, config["seed"], epoch, config["world_size"],
+    counts = packed.window_tokens(packing.parts["train"].tokens, plan, config["seed"], epoch, config["world_size"],
                                   config["batch_size"])  # fmt: skip
-    return [counts[window[0]] for window in window_indices(plan)]
+    return [counts[window[0]] for window in experiment.window_indices(plan)]
 
 
 @functools.cache
-def packed_row_tokens(fingerprint, seed, world_size):
-    """The target tokens of each train row, packed from this Python's corpus; None if it is not the run's."""
-    source = packed.load_corpus()
+def recomputed_packing(fingerprint, torch_version, seed, world_size):
+    """The run's split and packing made again here, or why not (a string): the corpus of another Python, or
+    another torch (the split's and the samplers' permutations are torch's)."""
+    try:
+        source = packed.load_corpus()
+    except LabError as error:
+        return str(error)
     if source.fingerprint != fingerprint:
-        return None
-    return packed.make_split(source, seed, 0, world_size).parts["train"].tokens
+        return (
+            f"the run's corpus (fingerprint {fingerprint}) is not this Python's {packed.CORPUS} ({source.fingerprint})"
+        )
+    if torch_version != torch.__version__:
+        return f"the run's torch {torch_version} is not this one ({torch.__version__}), whose permutations split it"
+    split = packed.make_split(source, seed, 0, world_size)
+    split.documents = [
+        [source.documents[i] for i in part] for part in packed.split_documents(len(source.documents), seed)
+    ]
+    return split
 
 
-def check_same_corpus(path, config, strict):
-    """The text task: the window tokens are recomputed from this Python's corpus when it is the run's. The strict
-    audit requires it; otherwise a note says that the packing was not recomputed."""
-    if config.get("task") != "text":
-        return
-    if packed_row_tokens(config.get("data_fingerprint"), config["seed"], config["world_size"]) is None:
-        message = (f"the run's corpus (fingerprint {config.get('data_fingerprint')}) is not this Python's "
-                   f"{packed.CORPUS} ({packed.load_corpus().fingerprint})")  # fmt: skip
+def check_text_data(path, config, strict):
+    """The text task: its packing recomputed here and checked by what packing must keep, independently of how
+    lab/packed.py does it: every target is the next row position's input; each part's targets are its
+    documents' bytes but their first, and one separator each; the run's sizes are the parts' rows. Where this
+    Python or torch could not have packed the run, the strict audit refuses and the other says so in a note."""
+    packing = recomputed_packing(
+        config.get("data_fingerprint"), config.get("torch"), config["seed"], config["world_size"]
+    )
+    if isinstance(packing, str):
         if strict:
-            raise AuditError(f"{path}: {message}: run verify.py with the Python that trained")
-        print(f"note: {message}: the windows' tokens are the witnesses', not recomputed from the packing")
+            raise AuditError(f"{path}: {packing}: run verify.py with the Python and torch that trained")
+        print(f"note: {packing}: the windows' tokens are the witnesses', not recomputed from the packing")
+        return None
+    for (name, part), documents in zip(packing.parts.items(), packing.documents):
+        valid, inside = part.targets.ne(experiment.IGNORE_INDEX), part.targets[:, :-1].ne(experiment.IGNORE_INDEX)
+        check(torch.equal(part.targets[:, :-1][inside], part.inputs[:, 1:][inside]), path,
+              f"the {name} rows' targets are not their next inputs")  # fmt: skip
+        expected = [torch.tensor([*document[1:], packed.SEPARATOR]) for document in documents]
+        histogram = torch.bincount(torch.cat(expected), minlength=packed.VOCABULARY)
+        check(torch.equal(torch.bincount(part.targets[valid], minlength=packed.VOCABULARY), histogram), path,
+              f"the {name} rows' targets are not its documents' bytes (after each first) and separators")  # fmt: skip
+        check(config[f"{name}_size"] == len(part.inputs), path,
+              f"config {name}_size={config[f'{name}_size']}, the packing gives {len(part.inputs)} rows")  # fmt: skip
+    return packing
 
 
 def check_documented(path, config):
@@ -325,25 +348,14 @@ def check_documented(path, config):
             )
 
 
-def expand(runs_of_values):
-    return [value for value, count in runs_of_values for _ in range(count)]
-
-
 def token_weights(row, config):
-    """Per micro-batch of every rank: how much each of its tokens weighed in its window's update, against its
-    share (1 / the window's tokens over every rank), as the loss-scale witness saw it: the window's tokens over
-    the divisor the gradient at the logits showed (checklist.loss_scale against the world size x the token sum)."""
-    plan_windows = expand(row["checklist"]["ranks"][0]["step_tokens"])
-    weights = []
+    """Per micro-batch of every rank: how much each of its tokens weighed in its window's update against its share
+    (1 / the window's tokens over every rank): the window's tokens over the divisor read at its loss."""
+    windows, weights = experiment.window_indices(experiment.epoch_plan(config)), []
     for rank in row["checklist"]["ranks"]:
-        divisors = {i: divisor for start, stop, divisor in rank["loss_divisors"] for i in range(start, stop)}
-        window, index = 0, 0
-        for step_micro_batches, count in rank["step_micro_batches"]:
-            for _ in range(count):
-                for _ in range(step_micro_batches // config["world_size"]):
-                    weights.append(plan_windows[window] / divisors[index])
-                    index += 1
-                window += 1
+        divisors = {index: divisor for start, stop, divisor in rank["loss_divisors"] for index in range(start, stop)}
+        totals = experiment.from_runs(rank["step_tokens"])
+        weights += [total / divisors[index] for window, total in zip(windows, totals) for index in window]
     return weights
 
 
@@ -354,18 +366,23 @@ def check_token_normalization(path, runs, config):
         weights = [
             weight for history, _, _ in runs.values() for row in history for weight in token_weights(row, config)
         ]
+        measured = (
+            f"the runs' tokens weighed {min(weights):.3f}x to {max(weights):.3f}x their share of their window's update "
+            f"(measured at each loss)"
+        )
+        if min(weights) == max(weights) == 1:  # no window of these runs held micro-batches of unequal tokens
+            measured = "it weighs tokens unequally wherever a window's micro-batches hold unequal numbers of them"
         raise AuditError(
-            f"{path}: config loss_normalization={config['loss_normalization']!r}: the runs' tokens weighed "
-            f"{min(weights):.3f}x to {max(weights):.3f}x their share of their window's update (measured at the "
-            f"logits), not 1x; the documented text task normalizes by tokens: rerun with --loss-normalization "
-            f"tokens, or audit these runs against their own configuration with --expect-from-config"
+            f"{path}: config loss_normalization={config['loss_normalization']!r}: {measured}; the documented text task "
+            f"normalizes by tokens: rerun with --loss-normalization tokens, or audit these runs against their own "
+            f"configuration with --expect-from-config"
         )
 
 
 PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_checkpointing", "nodes")
 
 
-def print_checklist(runs):
+def print_checklist(runs, config):
     """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
     print()
     print("The document's checklist, observed (lab/checklist.py; docs/audit.md):")
@@ -373,6 +390,10 @@ def print_checklist(runs):
     print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
     for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):
         print(f"| {number} | {text} | {gloss} | " + " | ".join("✓" for _ in runs) + f" | {witness} |")
+    if config.get("task") == "text":
+        print("The text task: items 2 and 3 count rows and target tokens, item 4 divides each loss by its window's "
+              "tokens over all ranks (x ranks / its own tokens), item 10 is report.json's loss per token against "
+              "its perplexity and the unigram baseline.")  # fmt: skip
 
 
 def check_real_data(folder, record):

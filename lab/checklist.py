@@ -7,6 +7,7 @@ Every witness reads an event of the run itself, never the window plan the loop f
     each parameter's own gradient     tensor hooks, before accumulation and before any sync: the local contribution
     the gradients' state              a linear float64 projection of every .grad at each backward's start and at
                                       each step: resets (None or zero, however made), accumulation, alterations
+    the loss (the text task)          its targets' tokens, and the gradient reaching its value: 1 / its divisor
     the optimizer                     its own step pre/post hooks, and its state's step counter
     the collective                    the hook's tensors handed to all_reduce (lab/tap.py)
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from lab import experiment
+from lab.experiment import IGNORE_INDEX, runs_of
 
 AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
 PROJECTION_SEED = 47_000_047
@@ -50,21 +52,24 @@ def loss_scale_bounds(gradient_dtype):
 CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
 
 
-def loss_scale(logits, targets, gradient, token_scale=None):
+def loss_scale(logits, targets, gradient, token_scale=None, divisor=None):
     """[divisor, residual] of the gradient that reached the logits: it fitted as the mean cross-entropy's own
     gradient divided by the divisor, that gradient recomputed by torch's kernels on the same float32 logits (a
-    confident batch's cancellations are then the same in both); the residual relative to it. With token_scale
-    (the text task: the world size) the reference is token_scale times the summed token cross-entropy, so that
-    the divisor is the window's global token count under per-token normalization."""
+    confident batch's cancellations are then the same in both); the residual relative to it. The text task: the
+    reference is token_scale (the world size) x the summed token loss, and a divisor read exactly from the
+    loss's own gradient replaces the fit (the residual then holds any difference of scale too)."""
     with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
         leaf = logits.detach().float().requires_grad_()
-        if token_scale is None:
-            reference = CROSS_ENTROPY(leaf, targets)
-        else:  # ignore_index: experiment.IGNORE_INDEX, cross_entropy's default
-            reference = CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), reduction="sum") * token_scale
+        reference = (
+            CROSS_ENTROPY(leaf, targets)
+            if token_scale is None
+            else token_scale
+            * CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        )
         (mean_loss_gradient,) = torch.autograd.grad(reference, leaf)
     expected, seen = mean_loss_gradient.double(), gradient.double()
-    divisor = expected.square().sum() / (seen * expected).sum()
+    if divisor is None:
+        divisor = expected.square().sum() / (seen * expected).sum()
     return torch.stack([divisor, (seen * divisor - expected).norm() / expected.norm()])
 
 
@@ -88,9 +93,7 @@ class ChecklistTrace:
     loss_short: list = field(default_factory=list)  # micro-batches whose loss took fewer samples than the forward
     state_points: list = field(default_factory=list)  # per observation: (point, micro-batch)
     gradient_states: list = field(default_factory=list)  # per observation, on the device: [fresh, off]
-    averages: list = field(
-        default_factory=list
-    )  # per step: [synced, mean of locals, bound, samples, forwards(, tokens)]
+    averages: list = field(default_factory=list)  # per step: [synced, mean, bound, samples, forwards(, tokens)]
     micro_batch_tokens: list = field(default_factory=list)  # the text task: target tokens per loss, on the device
 
     def to(self, device):
@@ -140,6 +143,7 @@ class Witness:
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
         self.trace = None
         self.awaiting_loss = False
+        self.loss_gradient = None  # the text task: the gradient that reached the criterion's value
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
@@ -211,9 +215,13 @@ class Witness:
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             if self.counts_tokens:  # the targets that count, as the loss took them
-                tokens = targets.ne(experiment.IGNORE_INDEX).sum()
+                tokens = targets.ne(IGNORE_INDEX).sum()
                 self.trace.micro_batch_tokens.append(tokens)
                 self.window[5] += tokens
+                # What the loop divided the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
+                self.loss_gradient = None
+                if output.requires_grad:
+                    output.register_hook(partial(setattr, self, "loss_gradient"))
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
@@ -224,8 +232,12 @@ class Witness:
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        token_scale = self.comm_audit.world_size if self.counts_tokens else None
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale))
+        token_scale = divisor = None
+        if self.counts_tokens:  # the window's tokens over every rank, as the loss's own gradient gives them
+            token_scale = self.comm_audit.world_size
+            if self.loss_gradient is not None:
+                divisor = token_scale * self.trace.micro_batch_tokens[-1].double() / self.loss_gradient.double()
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, divisor))
         self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -339,17 +351,6 @@ def witness_of(ddp_model, optimizer, criterion, device):
     return ddp_model.witness
 
 
-def runs_of(values):
-    """Consecutive equal values as [value, count] pairs."""
-    runs = []
-    for value in values:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([value, 1])
-    return runs
-
-
 def divisor_runs(positions, scales):
     """Per backward its micro-batch and [divisor seen, residual], as [start, stop, whole divisor] runs of
     consecutive micro-batches (stop exclusive; None where the divisor is not a finite number)."""
@@ -386,12 +387,10 @@ def summarize(trace, state_steps):
             [index for (point, index), (fresh, off) in observed if keep(point, fresh, off)]
         )
 
-    tokens = {}
-    if trace.micro_batch_tokens:  # the text task: per micro-batch on this rank, per step over every rank
-        tokens = {
-            "micro_batch_tokens": runs_of(torch.stack(trace.micro_batch_tokens).tolist()),
-            "step_tokens": runs_of([int(step[5]) for step in averages]),
-        }
+    tokens = {}  # the text task: per micro-batch on this rank, per step over every rank
+    if trace.micro_batch_tokens:
+        tokens["micro_batch_tokens"] = runs_of(torch.stack(trace.micro_batch_tokens).tolist())
+        tokens["step_tokens"] = runs_of([int(step[5]) for step in averages])
     return {
         **tokens,
         "micro_batches": trace.micro_batches,

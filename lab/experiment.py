@@ -132,7 +132,8 @@ def in_range(parser, args):
         parser.error("argument --loader: the text task has one loader (its packed rows on the device); drop --loader")
     if args.task != "text" and args.loss_normalization is not None:
         parser.error(
-            "argument --loss-normalization: the text task's (--task text); the image task divides by the window"
+            "argument --loss-normalization: the text task's (--task text); the image task divides by the window: "
+            "add --task text, or drop --loss-normalization"
         )
     if args.task == "text" and args.loss_normalization is None:
         args.loss_normalization = TEXT_DOCUMENTED["loss_normalization"]
@@ -202,6 +203,31 @@ def as_progressions(positions):
 
 def from_progressions(runs):
     return [position for start, stop, step in runs for position in range(start, stop, step)]
+
+
+def runs_of(values):
+    """Consecutive equal values as [value, count] pairs."""
+    runs = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return runs
+
+
+def from_runs(runs):
+    return [value for value, count in runs for _ in range(count)]
+
+
+def window_indices(plan):
+    """The micro-batch indices of each window of the plan."""
+    windows, window = [], []
+    for index, micro_step in enumerate(plan):
+        window.append(index)
+        if micro_step.step:
+            windows, window = windows + [window], []
+    return windows
 
 
 def micro_batches_per_rank(train_size, world_size, batch_size):

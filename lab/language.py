@@ -86,7 +86,7 @@ def text_config(args):
 
 @torch.no_grad()
 def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, group=None):
-    """Loss per target token and next-byte accuracy, summed over ranks."""
+    """Loss per target token, next-byte accuracy and the target tokens, summed over ranks."""
     ddp_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, tokens
     progress.start(label, len(loader), "batches")
@@ -101,7 +101,7 @@ def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, gr
         progress.update(done, done * inputs.size(0))
     dist.all_reduce(totals, group=group)
     loss_sum, correct, tokens = totals.tolist()
-    return loss_sum / tokens, correct / tokens
+    return loss_sum / tokens, correct / tokens, int(tokens)
 
 
 def unigram_loss(train_targets, test_targets):
@@ -131,7 +131,7 @@ def continue_text(model, prompt=PROMPT, length=CONTINUATION_BYTES):
 def write_results(folder, args, config, test_metrics, split, model, run_id, started_at):
     """Rank 0: the text report and checkpoint into the run's partial folder; returns them as records.write_results
     does (the report, and the run record whose publish makes them the run)."""
-    loss, accuracy = test_metrics
+    loss, accuracy, tokens = test_metrics
     baseline_loss = unigram_loss(split.parts["train"].targets, split.parts["test"].targets)
     report = {
         "mode": args.mode,
@@ -140,6 +140,7 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
         "model_test_perplexity": math.exp(loss),
         "model_test_bits_per_byte": loss / math.log(2),
         "model_test_accuracy": accuracy,
+        "test_tokens": tokens,
         "baseline": "unigram byte frequencies of the train part",
         "baseline_loss": baseline_loss,
         "continuation": {"prompt": PROMPT, "greedy": continue_text(model)},
@@ -150,7 +151,7 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
                   "mode": args.mode, "precision": config["precision"]}  # fmt: skip
     folder.write(records.MODEL_FILE, records.torch_bytes(checkpoint))
     folder.write(records.REPORT_FILE, records.json_bytes(report))
-    return report, {**records.run_record(args, config, run_id, started_at), "data_dir": CORPUS}
+    return report, records.run_record(args, config, run_id, started_at, data_dir=CORPUS)
 
 
 # ----------------------------------------------------------------------------- verify.py's checks of a text run
@@ -173,12 +174,25 @@ def check_report(path, mode, record):
         records.check(
             report.get(key) == value, path, f"{key} {report.get(key)!r} does not follow from the loss ({value})"
         )
-    records.check(records.is_number(report.get("baseline_loss")), path, "no baseline_loss")
+    for key in ("model_test_accuracy", "baseline_loss"):
+        records.check(records.is_number(report.get(key)), path, f"{key} must be a number, got {report.get(key)!r}")
+    records.check(records.is_int(report.get("test_tokens")), path, "test_tokens must be a whole number")
     continuation = report.get("continuation")
     records.check(
         isinstance(continuation, dict) and isinstance(continuation.get("greedy"), str), path, "no continuation"
     )
     return report
+
+
+def check_report_against_packing(path, report, packing):
+    """The report against the split packed again (certify.check_text_data): its test evaluation took every test
+    token once, and its baseline is the one these parts give."""
+    tokens = int(packing.parts["test"].tokens.sum())
+    records.check(report["test_tokens"] == tokens, path, f"its test took {report['test_tokens']} target tokens, the "
+                  f"test part has {tokens}: the evaluation missed or repeated rows")  # fmt: skip
+    baseline = unigram_loss(packing.parts["train"].targets, packing.parts["test"].targets)
+    records.check(report["baseline_loss"] == baseline, path, f"baseline_loss {report['baseline_loss']} is not the "
+                  f"packing's {baseline}")  # fmt: skip
 
 
 def check_learned(path, report):

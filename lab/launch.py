@@ -292,7 +292,8 @@ def start_up(args, place):
     agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 and not text else None)
     source = agree(place, packed.load_corpus if text else lambda: data.load_data(args.data_dir))
     where = f"Python's {packed.CORPUS}" if text else f"{args.data_dir}/"
-    require_same(place, source.summary(), f"its data in {where} differ", "give every node the same copy of the dataset")
+    remedy = "run every node on the same Python" if text else "give every node the same copy of the dataset"
+    require_same(place, source.summary(), f"its data in {where} differ", remedy)
     group = training_group(device, args.gpu_backend)
     seed_everything(args.seed + place.rank)
     split = (packed if text else data).make_split(source, args.seed, place.rank, place.world_size)

@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lab.cli import LabError
 from lab.data import Split
-from lab.experiment import IGNORE_INDEX
+from lab.experiment import IGNORE_INDEX, window_indices
 from lab.loaders import Loaders, rank_share
 
 CORPUS = "pydoc_data.topics"
@@ -44,7 +44,7 @@ class TextSource:
     names: list
     documents: list  # bytes, one per document
     layout: str = CORPUS
-    synthetic: bool = False
+    synthetic = False  # real text (the run's configuration records it, as the image task's)
 
     @property
     def fingerprint(self):
@@ -133,7 +133,8 @@ def make_split(source, seed, rank, world_size):
     }
     rows = {name: list(range(len(part.inputs))) for name, part in parts.items()}
     if min(map(len, rows.values())) < world_size:
-        raise LabError(f"too few rows for {world_size} ranks: { ({k: len(v) for k, v in rows.items()}) }")
+        counts = ", ".join(f"{name} {len(part)}" for name, part in rows.items())
+        raise LabError(f"the corpus packs into too few rows for {world_size} ranks ({counts}); run fewer ranks")
     sampler = train_sampler(len(rows["train"]), seed, rank, world_size)
     return TextSplit(rows["train"], rows["validation"], rows["test"], sampler, parts)
 
@@ -184,13 +185,11 @@ def window_tokens(row_tokens, plan, seed, epoch, world_size, batch_size):
     """Per micro-batch of the epoch: the target tokens of its whole window over every rank (each rank computes
     all ranks' from the seed and the epoch: the same number everywhere, before the window's first backward)."""
     per_rank = [rank_micro_batch_tokens(row_tokens, seed, epoch, r, world_size, batch_size) for r in range(world_size)]
-    counts, window = [], []
-    for index, micro_step in enumerate(plan):
-        window.append(index)
-        if micro_step.step:
-            total = sum(tokens[i] for tokens in per_rank for i in window)
-            counts += [total] * len(window)
-            window = []
+    if any(len(tokens) != len(plan) for tokens in per_rank):
+        raise LabError(f"the packing gives {len(per_rank[0])} micro-batches per rank, the plan {len(plan)}")
+    counts = []
+    for window in window_indices(plan):
+        counts += [sum(tokens[i] for tokens in per_rank for i in window)] * len(window)
     return counts
 
 

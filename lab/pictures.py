@@ -379,3 +379,31 @@ def timeline_image(title, panels, caption):
     )
     draw.text((left - 40, height - 16), caption, font=small, fill=INK, anchor="lm")
     return image, {"panels": data, "origin_x": left, "seconds_per_pixel": 1 / scale}
+
+
+def index_panels(title, panels):
+    """Panels of values against their index (micro-batches, windows), side by side. panels: [{"title", "x_label",
+    "y_label", "series": [{"label", "colour", "values"}]}]. Returns (image, data with each point's pixel)."""
+    (width, height), boxes = panel_grid(len(panels), 1)
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    data = []
+    for panel, box in zip(panels, boxes):
+        values = [value for series in panel["series"] for value in series["values"]]
+        count = max(len(series["values"]) for series in panel["series"])
+        x_ticks = [(tick, tick_label(tick)) for tick in nice_ticks(0, count - 1) if tick <= count - 1]
+        axes = Axes(image, box, (-0.5, count - 0.5), nice_ticks(min(values), max(values)), panel["title"],
+                    panel["x_label"], panel["y_label"], x_ticks)  # fmt: skip
+        drawn = []
+        for series in panel["series"]:
+            points = [(axes.x(index), axes.y(value)) for index, value in enumerate(series["values"])]
+            for start, end in zip(points, points[1:]):
+                draw.line((*start, *end), fill=tuple(series["colour"]), width=1)
+            for x, y in points:
+                draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=tuple(series["colour"]))
+            drawn.append({"label": series["label"], "values": series["values"], "points": points})
+        data.append({"title": panel["title"], "series": drawn})
+    labels = {series["label"]: tuple(series["colour"]) for panel in panels for series in panel["series"]}
+    legend(draw, (boxes[0][0], height - 26), [(label, colour, False) for label, colour in labels.items()])
+    return image, {"panels": data}

@@ -31,7 +31,7 @@ SAMPLE_FILE = "sample_test.png"
 CONFUSION_FILE = "confusion_matrix.png"
 RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and the checksum of every other file
 RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
-TEXT_RUN_FILES = RUN_FILES[:3]  # the text task draws no sample image and no confusion matrix
+TEXT_RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE)  # the text task draws no sample or confusion matrix
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
 PROFILE_FILE = "profile.json"
 PROFILE_TRACE_FILE = "profile_trace.rank{rank}.json"  # one Chrome trace per rank, as HolisticTraceAnalysis reads them
@@ -336,12 +336,11 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
     folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
     image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
     folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
-    return report, run_record(args, config, run_id, started_at)
+    return report, run_record(args, config, run_id, started_at, str(args.data_dir))
 
 
-def run_record(args, config, run_id, started_at):
+def run_record(args, config, run_id, started_at, data_dir):
     """run.json's content, published last (RunFolder.publish): it makes the folder's other files the run."""
-    data_dir = str(args.data_dir)
     return {"run_id": run_id, "mode": args.mode, "config": config, "data_dir": data_dir, "started_at": started_at,
             "finished_at": utc_now()}  # fmt: skip
 

@@ -6,7 +6,8 @@ next to the run folders (or in the folder verify.py --pictures names).
 import json
 
 from lab import pictures
-from lab.certify import expand, token_weights
+from lab.certify import token_weights
+from lab.experiment import from_runs
 from lab.records import png_bytes, write_atomic
 
 # Pictures verify.py draws from both runs, next to the run folders.
@@ -94,24 +95,25 @@ def print_text_tables(runs, config):
     """The text task: tokens per micro-batch and window, how the tokens weighed, the collectives by kind, the
     test in loss per token, perplexity and bits per byte, and the greedy continuation."""
     print(f"Target tokens ({config['loss_normalization']} normalization; min-max over the epochs and ranks):")
-    print("| mode | per micro-batch | per window, all ranks | token weight vs its share (loss-scale witness) |")
+    print("| mode | per micro-batch | per window, all ranks | token weight vs its share (read at each loss) |")
     print("|---|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
         ranks = [rank for row in history for rank in row["checklist"]["ranks"]]
-        micro = [value for rank in ranks for value in expand(rank["micro_batch_tokens"])]
-        window = [value for rank in ranks for value in expand(rank["step_tokens"])]
+        micro = [value for rank in ranks for value in from_runs(rank["micro_batch_tokens"])]
+        window = [value for rank in ranks for value in from_runs(rank["step_tokens"])]
         weights = [weight for row in history for weight in token_weights(row, config)]
         print(f"| {mode} | {min(micro)}-{max(micro)} | {min(window)}-{max(window)} | "
               f"{min(weights):.4f}x-{max(weights):.4f}x |")  # fmt: skip
     print()
-    print("Collectives per rank by kind, totals (the window's token count comes from the packing: no collective):")
-    print("| mode | gradient all-reduces | rank-agreement all-reduces | average-witness all-reduces | broadcasts "
-          "| token-count collectives |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|")
+    print("Collectives per rank by kind, totals (the audit's counts; no collective counts the window's tokens: every "
+          "rank takes them from the packing):")  # fmt: skip
+    print("| mode | gradient all-reduces (hook calls) | rank-agreement all-reduces | average-witness all-reduces "
+          "| broadcasts |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
         broadcasts = total(history, "buffer_broadcast_collectives") + total(history, "rebuild_broadcast_collectives")
-        print(f"| {mode} | {total(history, 'sync_bucket_calls')} | {total(history, 'optimizer_steps')} | "
-              f"{total(history, 'witness_allreduces')} | {broadcasts} | 0 |")  # fmt: skip
+        print(f"| {mode} | {total(history, 'sync_bucket_calls')} | {total(history, 'steps_with_ranks_agreed')} | "
+              f"{total(history, 'witness_allreduces')} | {broadcasts} |")  # fmt: skip
     print()
     print("| mode | test loss per token | perplexity | bits per byte | next-byte accuracy | unigram baseline loss |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+import train
 from conftest import (
     WORKERS,
     assert_ok,
@@ -24,7 +25,8 @@ from conftest import (
     subprocess_env,
     torchrun,
 )
-from lab import experiment, packed, records
+from lab import certify, experiment, packed, records
+from lab.cli import LabError
 
 CHARACTERS = 600
 TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
@@ -150,8 +152,10 @@ def expected_window_tokens(config, epoch):
 def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(documented):
     checked = assert_ok(text_verify(documented / "tokens"))
     assert "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x" in checked.stdout
-    assert "| every | 160 | 40 | 40 | 2 | 0 |" in checked.stdout  # collectives by kind: no token-count one
-    assert "| no_sync | 40 | 40 | 40 | 2 | 0 |" in checked.stdout
+    assert "| every | 160 | 40 | 40 | 2 |" in checked.stdout  # collectives by kind, per rank over 8 epochs
+    assert "| no_sync | 40 | 40 | 40 | 2 |" in checked.stdout
+    # Each token weighed exactly its share: the divisor read at each loss is the window's tokens.
+    assert "| every | 244-1024 | 6128-7834 | 1.0000x-1.0000x |" in checked.stdout
     config = read_json(documented / "tokens" / "every" / records.RUN_RECORD_FILE)["config"]
     assert (config["task"], config["loss_normalization"], config["train_size"]) == ("text", "tokens", 309)
     for mode, syncs in (("every", 20), ("no_sync", 5)):
@@ -184,7 +188,7 @@ def test_strict_verify_refuses_micro_batch_normalization_naming_the_measured_bia
 @pytest.mark.parametrize(
     "broken, item, seen",
     [
-        ("padding_in_mean", 4, "the gradient at the logits was the mean loss's divided by"),
+        ("padding_in_mean", 4, "the gradient at the logits is not the loss's own cross-entropy gradient"),
         ("first_target_dropped", 3, "target tokens over all ranks went into it, the packing gives"),
     ],
 )
@@ -211,10 +215,16 @@ def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_
 
 
 def test_options_of_the_other_task_are_refused_in_one_line(tmp_path):
-    refused = torchrun("train.py", "--mode", "every", "--output", tmp_path / "a", "--loss-normalization", "tokens")
-    assert_train_error(refused, "--loss-normalization: the text task's (--task text)")
-    refused = torchrun("train.py", "--task", "text", "--mode", "every", "--output", tmp_path / "b", "--loader", "pil")
-    assert_train_error(refused, "--loader: the text task has one loader")
+    """train.py's parser (under torchrun every rank raises the same line; tests/test_e2e.py shows one printed)."""
+    with pytest.raises(LabError, match=r"--loss-normalization: the text task's \(--task text\)"):
+        train.parse_args(["--mode", "every", "--output", str(tmp_path), "--loss-normalization", "tokens"])
+    with pytest.raises(LabError, match="--loader: the text task has one loader"):
+        train.parse_args(["--task", "text", "--mode", "every", "--output", str(tmp_path), "--loader", "pil"])
+    args = train.parse_args(["--task", "text", "--mode", "every", "--output", str(tmp_path)])
+    documented = {key: getattr(args, key) for key in ("epochs", "batch_size", "partial_window", "loss_normalization")}
+    assert documented == {key: experiment.TEXT_DOCUMENTED[key] for key in documented}
+    args = train.parse_args(["--mode", "every", "--output", str(tmp_path)])
+    assert (args.epochs, args.batch_size, args.partial_window, args.loss_normalization) == (5, 50, "error", None)
 
 
 def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
@@ -224,3 +234,36 @@ def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
     refused = text_train(tmp_path / "b", "every", env=other)
     line = assert_train_error(refused, "[rank 1, node 0] its data in Python's pydoc_data.topics differ")
     assert "documents 80 vs 79" in line
+
+
+@pytest.mark.parametrize(
+    "broken, refusal",
+    [
+        ("misaligned", "the train rows' targets are not their next inputs"),
+        ("last_target_lost", "the train rows' targets are not its documents' bytes"),
+    ],
+)
+def test_verify_holds_the_packing_to_what_packing_must_keep(monkeypatch, broken, refusal):
+    """verify.py packs the run's corpus again and checks it without lab/packed.py's logic: a packing that shifts
+    its targets, or loses a row's last target (a long document's rows not overlapping), is refused."""
+    source = packed.load_corpus()
+    sizes = packed.make_split(source, 47, 0, 2).sizes
+    config = {"data_fingerprint": source.fingerprint, "torch": torch.__version__, "seed": 47, "world_size": 2,
+              **{f"{name}_size": size for name, size in sizes.items()}}  # fmt: skip
+    certify.recomputed_packing.cache_clear()
+    assert certify.check_text_data("run.json", config, strict=True) is not None
+    pack = packed.pack
+
+    def broken_pack(documents, row_length=packed.ROW_LENGTH):
+        rows = pack(documents, row_length)
+        if broken == "misaligned":
+            rows.targets = rows.targets.roll(1, dims=1)
+        else:
+            rows.targets[:, -1] = experiment.IGNORE_INDEX
+        return rows
+
+    monkeypatch.setattr(packed, "pack", broken_pack)
+    certify.recomputed_packing.cache_clear()
+    with pytest.raises(records.AuditError, match=refusal):
+        certify.check_text_data("run.json", config, strict=True)
+    certify.recomputed_packing.cache_clear()
