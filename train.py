@@ -65,7 +65,8 @@ def parse_args(argv=None):
     add("--data-dir", type=Path, default=Path("data"), help="image folders, or torchvision's CIFAR-10 (downloaded)")
     add("--partial-window", choices=experiment.PARTIAL_WINDOW_POLICIES,
         help="a short last window: stop (error; the image task's default), or divide by its own length (scale)")  # fmt: skip
-    add("--loss-normalization", choices=experiment.LOSS_NORMALIZATIONS, help="text: by the window's tokens (default)")  # fmt: skip
+    add("--loss-normalization", choices=experiment.LOSS_NORMALIZATIONS, default="tokens",
+        help="divide by the window's tokens (images: samples) over every rank, or by its length (micro-batch)")  # fmt: skip
     add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA with a GPU per process")
     add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
     add("--gpu-backend", choices=launch.GPU_BACKENDS, default="nccl", help="gloo: CUDA ranks may share a GPU")
@@ -144,13 +145,10 @@ def make_optimizer(parameters, device):
 
 def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None,
                 epoch=None, session=None):  # fmt: skip
-    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in
-    part when a WindowProfiler is given; at each window's end the session saves or stops when due.
-
-    Returns this rank's (loss sum, correct, count) as a float64 tensor, and its EpochTrace: at each step what
-    audit.ranks_agree found across the ranks; the witnesses attached to the model (lab/checklist.py) fill in
-    where the syncs, steps and resets happened, from what they see.
-    """
+    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in part
+    when a WindowProfiler is given; at each window's end the session saves or stops when due. Returns this rank's
+    (loss sum, correct, count) as a float64 tensor, and its EpochTrace: what audit.ranks_agree found at each step;
+    the witnesses attached to the model (lab/checklist.py) fill in what they saw of syncs, steps and resets."""
     epoch = epoch or resume.EpochState(0)
     comm_audit, trace = ddp_model.comm_audit, epoch.trace
     checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
@@ -245,9 +243,12 @@ def to_device(inputs, device):
 def run(args, place):
     setup = launch.start_up(args, place)
     device, group = setup.device, setup.group
-    plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
     config = records.run_config(args, place, setup)
     text = args.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
+    plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
+    if not text and args.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
+        config.update(loss_normalization=args.loss_normalization)
+    plan = plan if text else experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
 
     model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
     model = model.to(device, memory_format=MEMORY_FORMAT)
@@ -286,8 +287,9 @@ def run(args, place):
             torch.cuda.reset_peak_memory_stats(device)
         epoch.segment_started = audit.read_clock(device)
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
-        # The text task's divisors follow from its tokens (--loss-normalization); the windows stay the plan's.
-        epoch_plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
+        epoch_plan = (
+            packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
+        )  # text: per token
         with profiled or nullcontext(), audit.ddp_errors_explained():
             train_epoch(
                 ddp_model, setup.loaders.train, epoch_plan, args.mode, optimizer, criterion, device, autocast, progress,

@@ -37,6 +37,7 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 # only by the window's division (exact for a power of two, a few float32 roundings otherwise) and the rounding
 # to the logits' dtype: 2**-20 bounds the float32 part with room.
 FLOAT32_SLACK = 2.0**-20
+WHOLE = 1e-6  # a divisor read exactly is whole to float32's precision (2**-24 per rounding) when it is whole
 # A Gaussian projection of an error vector exceeds 12 of its standard deviations with probability 4e-33.
 SIGMAS = 12
 
@@ -143,7 +144,7 @@ class Witness:
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
         self.trace = None
         self.awaiting_loss = False
-        self.loss_gradient = None  # the text task: the gradient that reached the criterion's value
+        self.loss_gradient = None  # the gradient that reached the criterion's value
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
@@ -214,14 +215,14 @@ class Witness:
             if targets.shape[0] != self.awaiting_loss:  # a loss over part of the forward's batch
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
+            # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
+            self.loss_gradient = None
+            if output.requires_grad:
+                output.register_hook(partial(setattr, self, "loss_gradient"))
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
                 self.trace.micro_batch_tokens.append(tokens)
                 self.window[5] += tokens
-                # What the loop divided the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
-                self.loss_gradient = None
-                if output.requires_grad:
-                    output.register_hook(partial(setattr, self, "loss_gradient"))
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
@@ -232,12 +233,14 @@ class Witness:
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        token_scale = divisor = None
+        token_scale = exact = None
+        if self.loss_gradient is not None:  # the divisor read exactly (the fit at the logits where it is not)
+            exact = 1 / self.loss_gradient.double()
         if self.counts_tokens:  # the window's tokens over every rank, as the loss's own gradient gives them
             token_scale = self.comm_audit.world_size
-            if self.loss_gradient is not None:
-                divisor = token_scale * self.trace.micro_batch_tokens[-1].double() / self.loss_gradient.double()
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, divisor))
+            exact = None if exact is None else token_scale * self.trace.micro_batch_tokens[-1].double() * exact
+        scale = loss_scale(logits, targets, gradient, token_scale, exact if self.counts_tokens else None)
+        self.trace.loss_scales.append(torch.cat([scale, (scale[0] if exact is None else exact).reshape(1)]))
         self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -352,11 +355,14 @@ def witness_of(ddp_model, optimizer, criterion, device):
 
 
 def divisor_runs(positions, scales):
-    """Per backward its micro-batch and [divisor seen, residual], as [start, stop, whole divisor] runs of
-    consecutive micro-batches (stop exclusive; None where the divisor is not a finite number)."""
+    """Per backward its micro-batch and [divisor fitted, residual, divisor read exactly], as [start, stop, divisor]
+    runs of consecutive micro-batches (stop exclusive): the exact divisor, whole where it is one to float32's
+    precision, else to 6 decimals (a window of unequal micro-batches); None where it is not a finite number."""
     runs = []
-    for index, (divisor, _) in zip(positions, scales):
-        whole = round(divisor) if math.isfinite(divisor) else None
+    for index, (_, _, exact) in zip(positions, scales):
+        whole = None
+        if math.isfinite(exact):
+            whole = round(exact) if abs(exact - round(exact)) <= WHOLE * abs(exact) else round(exact, 6)
         if runs and runs[-1][1] == index and runs[-1][2] == whole:
             runs[-1][1] += 1
         else:
@@ -371,9 +377,9 @@ def summarize(trace, state_steps):
     states = torch.stack(trace.gradient_states).tolist() if trace.gradient_states else []
     averages = torch.stack(trace.averages).tolist() if trace.averages else []
     deviation = residual = 0.0
-    for divisor, off in scales:
-        whole = round(divisor) if math.isfinite(divisor) else 0
-        deviation = max(deviation, abs(divisor / whole - 1) if whole else math.inf)
+    for divisor, off, exact in scales:  # the fit at the logits against the divisor read exactly
+        fitted = abs(divisor / exact - 1) if exact else math.inf
+        deviation = max(deviation, fitted if math.isfinite(fitted) else math.inf)
         residual = max(residual, off if math.isfinite(off) else math.inf)
     off_average = [
         {"optimizer_step": step, "synced": synced, "mean_of_ranks": mean, "bound": bound}

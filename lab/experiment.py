@@ -4,7 +4,7 @@ each epoch. Each fact lives here once; train.py's defaults and verify.py's stric
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lab.cli import LabError
 
@@ -52,23 +52,16 @@ DOCUMENTED = {
     "augmentation": "RandomCrop(32, padding=4), RandomHorizontalFlip(0.5)",
     **DDP_DEFAULTS,
 }
-# The text task's own documented configuration (docs/packed.md): 8 rows of 128 bytes per micro-batch, the same
-# window; its sizes follow from the corpus of the Python that runs it (hashed into its data fingerprint), and
-# a short last window is normalized by its own tokens.
+# The text task's documented configuration (docs/packed.md): 8 rows of 128 bytes per micro-batch; its sizes follow
+# from the corpus of the Python that runs it (its data fingerprint); a short last window by its own tokens.
 TEXT_DOCUMENTED = {
     **{key: DOCUMENTED[key] for key in ("world_size", "accum_steps", "seed", "learning_rate", "weight_decay")},
-    "task": "text",
-    "batch_size": 8,
-    "epochs": 8,
-    "partial_window": "scale",
-    "loss_normalization": "tokens",
-    "augmentation": "none",
-    **DDP_DEFAULTS,
-}
+    **{"task": "text", "batch_size": 8, "epochs": 8, "partial_window": "scale", "loss_normalization": "tokens"},
+    **{"augmentation": "none", **DDP_DEFAULTS},
+}  # fmt: skip
 
 
-def documented(task):
-    """The documented configuration of a task (train.py's defaults for it, strict verify's hold)."""
+def documented(task):  # train.py's defaults for the task, strict verify's hold
     return TEXT_DOCUMENTED if task == "text" else DOCUMENTED
 
 
@@ -130,13 +123,6 @@ def in_range(parser, args):
             setattr(args, name, documented(args.task)[name])
     if args.task == "text" and args.loader != "tensor":
         parser.error("argument --loader: the text task has one loader (its packed rows on the device); drop --loader")
-    if args.task != "text" and args.loss_normalization is not None:
-        parser.error(
-            "argument --loss-normalization: the text task's (--task text); the image task divides by the window: "
-            "add --task text, or drop --loss-normalization"
-        )
-    if args.task == "text" and args.loss_normalization is None:
-        args.loss_normalization = TEXT_DOCUMENTED["loss_normalization"]
     seed_error = seed_range_error(args.seed, args.epochs, args.expected_world_size)
     if seed_error:
         parser.error(f"argument --seed: {seed_error}")
@@ -216,23 +202,42 @@ def runs_of(values):
     return runs
 
 
-def from_runs(runs):
+def from_runs(runs):  # runs_of's inverse
     return [value for value, count in runs for _ in range(count)]
 
 
 def window_indices(plan):
     """The micro-batch indices of each window of the plan."""
-    windows, window = [], []
-    for index, micro_step in enumerate(plan):
-        window.append(index)
-        if micro_step.step:
-            windows, window = windows + [window], []
-    return windows
+    ends = [index + 1 for index, micro_step in enumerate(plan) if micro_step.step]
+    return [list(range(start, end)) for start, end in zip([0, *ends], ends)]
+
+
+def micro_batch_sizes(config):
+    """The samples each micro-batch of a rank's epoch holds: the loader's batches over the rank's padded shard
+    (every rank's the same: DistributedSampler pads the shards equal)."""
+    shard = math.ceil(config["train_size"] / config["world_size"])
+    sizes = [config["batch_size"]] * (shard // config["batch_size"])
+    return sizes + ([shard % config["batch_size"]] if shard % config["batch_size"] else [])
+
+
+def sample_plan(plan, config):
+    """The image task's divisors under --loss-normalization tokens (per sample, the default): in a window of
+    unequal micro-batches (a short last one) each mean loss is divided by the window's samples over its own, the
+    window's update the mean over its samples; equal ones keep the plan's divisor (the document's, bit for bit)."""
+    if config.get("task") == "text" or config.get("loss_normalization", "tokens") != "tokens":
+        return plan
+    sizes, normalized = micro_batch_sizes(config), list(plan)
+    for window in window_indices(plan):
+        counts = [sizes[index] for index in window]
+        if len(set(counts)) > 1:
+            normalized[window[0] : window[-1] + 1] = [
+                replace(plan[i], loss_divisor=sum(counts) / sizes[i]) for i in window
+            ]
+    return normalized
 
 
 def micro_batches_per_rank(train_size, world_size, batch_size):
-    """DistributedSampler(drop_last=False) pads the split to a multiple of world_size; the loader keeps a last
-    short batch."""
+    """DistributedSampler(drop_last=False) pads the split to a multiple of world_size; the loader keeps a short one."""
     return math.ceil(math.ceil(train_size / world_size) / batch_size)
 
 
@@ -306,8 +311,7 @@ def buffer_syncs_in_epoch(plan, mode, first_epoch, wrapper_starts=()):
     and its validation pass adds one (its first forward follows the last, synchronized training forward).
     """
     starts = set(wrapper_starts) | ({0} if first_epoch else set())
-    previous_synchronized = False
-    count = 0
+    previous_synchronized, count = False, 0
     for index, micro_step in enumerate(plan):
         count += previous_synchronized or index in starts
         previous_synchronized = mode == "every" or micro_step.sync
@@ -355,12 +359,9 @@ def bucket_rebuild_epoch(plan, mode):
 
 
 def epoch_plan(config):
-    """The window plan every epoch of a run with this configuration executes."""
-    return window_plan(
-        micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"]),
-        config["accum_steps"],
-        config["partial_window"],
-    )
+    """The window plan every epoch of a run with this configuration executes (the image task's divisors)."""
+    micro_batches = micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
+    return sample_plan(window_plan(micro_batches, config["accum_steps"], config["partial_window"]), config)
 
 
 def ddp_settings(config):

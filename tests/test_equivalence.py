@@ -100,6 +100,17 @@ def test_the_comparison_catches_a_broken_accumulation(results, case, broken):
     assert variant["steps"] != variant["reference_steps"] or max(variant["grad_relative"]) > 1e-3
 
 
+def test_a_short_last_micro_batch_is_normalized_per_sample(results):
+    """Half a batch last (4 of 8 images per rank): train.py's divisors (experiment.sample_plan: the window's
+    samples over the micro-batch's) give one process's mean over the window's samples in float64, every step, in
+    both modes; the document's divisor (the window's length) weighs the short micro-batch's images twice."""
+    case = results["float64"]["short_micro_batch"]
+    for mode, syncs in (("every", 8), ("no_sync", 2)):
+        assert case[mode]["steps"] == case[mode]["reference_steps"] == 2 and case[mode]["gradient_syncs"] == syncs
+        assert agrees(case[mode], FLOAT64_TOLERANCE), case[mode]
+    assert max(case["broken_short_micro_batch_divided_by_window_length"]["grad_relative"]) > 1e-3
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_autocast_first_update_matches_the_plain_sum(results, mode):
     steps, syncs = CASES["full_windows"]

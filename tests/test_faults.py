@@ -108,6 +108,12 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"
     assert read_json(artifacts / "every" / records.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
+    # The short window's micro-batches hold 12, 12 and 8 images: per sample (the default), each mean loss is
+    # divided by 32 over its own, as the witness read at each loss (the full window keeps the document's 4).
+    for mode in ("every", "no_sync"):
+        row = read_json(artifacts / mode / records.HISTORY_FILE)[0]
+        for rank in row["checklist"]["ranks"]:
+            assert rank["loss_divisors"] == [[0, 4, 4], [4, 6, 2.666667], [6, 7, 4]]
 
 
 def child_pids(parent):

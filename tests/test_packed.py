@@ -214,17 +214,15 @@ def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
 
 
-def test_options_of_the_other_task_are_refused_in_one_line(tmp_path):
+def test_each_tasks_options_and_defaults(tmp_path):
     """train.py's parser (under torchrun every rank raises the same line; tests/test_e2e.py shows one printed)."""
-    with pytest.raises(LabError, match=r"--loss-normalization: the text task's \(--task text\)"):
-        train.parse_args(["--mode", "every", "--output", str(tmp_path), "--loss-normalization", "tokens"])
     with pytest.raises(LabError, match="--loader: the text task has one loader"):
         train.parse_args(["--task", "text", "--mode", "every", "--output", str(tmp_path), "--loader", "pil"])
     args = train.parse_args(["--task", "text", "--mode", "every", "--output", str(tmp_path)])
     documented = {key: getattr(args, key) for key in ("epochs", "batch_size", "partial_window", "loss_normalization")}
     assert documented == {key: experiment.TEXT_DOCUMENTED[key] for key in documented}
     args = train.parse_args(["--mode", "every", "--output", str(tmp_path)])
-    assert (args.epochs, args.batch_size, args.partial_window, args.loss_normalization) == (5, 50, "error", None)
+    assert (args.epochs, args.batch_size, args.partial_window, args.loss_normalization) == (5, 50, "error", "tokens")
 
 
 def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):

@@ -30,7 +30,9 @@ ADAM = sys.modules[torch.optim.AdamW.__module__.replace("adamw", "adam")]  # tor
 LOSS_BACKWARD = "(raw_loss / micro_step.loss_divisor).backward()"
 STEP = "                optimizer.step()\n"
 AVERAGED_BUCKET = "tensor = bucket.buffer().div_(comm_audit.world_size)"
-LOOP_TOP = "        inputs = inputs.to(device, non_blocking=True, memory_format=MEMORY_FORMAT)\n        targets = targets.to(device, non_blocking=True)\n        # The forward"
+LOOP_TOP = (
+    "        inputs, targets = to_device(inputs, device), targets.to(device, non_blocking=True)\n        # The forward"
+)
 
 # The loop's bugs: (text of train.py, what a user wrote instead), each applied where it occurs once.
 LOOP_EDITS = {

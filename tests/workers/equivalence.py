@@ -39,9 +39,10 @@ BF16_IMAGE_SIZE, FLOAT_IMAGE_SIZE = 8, 16
 CPU = torch.device("cpu")
 
 
-def dataset(micro_batches, world_size, dtype, image_size):
+def dataset(micro_batches, world_size, dtype, image_size, short=0):
+    """micro_batches of BATCH images per rank; with `short` the last holds that many fewer."""
     generator = torch.Generator().manual_seed(0)
-    count = micro_batches * BATCH * world_size
+    count = (micro_batches * BATCH - short) * world_size
     inputs = torch.randn(count, 3, image_size, image_size, generator=generator, dtype=dtype)
     return TensorDataset(inputs, torch.randint(0, 10, (count,), generator=generator))
 
@@ -88,12 +89,13 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
     return record
 
 
-def reference_run(initial_state, data, world_size, dtype, summation, autocast):
+def reference_run(initial_state, data, world_size, dtype, summation, autocast, per_sample=False):
     """One process, by hand: each window's micro-batches of every rank, the mean over the window and over the
     ranks as the gradient, one optimizer step per window (the last window may be short).
 
     summation sets only the order of the floating-point sums:
-      "one_sum": every micro-batch's loss / (window length x world size) backpropagated into one .grad;
+      "one_sum": every micro-batch's loss / (window length x world size) backpropagated into one .grad (per_sample:
+               its mean loss x its samples / the window's samples over every rank, the window's mean per sample);
       "every":   each rank adds its micro-batch's gradient to the window's running sum, then the ranks'
                  sums are averaged, after every micro-batch (what DDP does when every backward syncs);
       "no_sync": each rank sums its own window, then the ranks' sums are averaged once (no_sync's order).
@@ -125,7 +127,11 @@ def reference_run(initial_state, data, world_size, dtype, summation, autocast):
         if summation == "one_sum":
             for micro_batch in window:
                 for rank in range(world_size):
-                    for parameter, part in zip(parameters, gradient(rank, micro_batch, len(window) * world_size)):
+                    divisor = len(window) * world_size
+                    if per_sample:
+                        samples = [len(rank_batches[rank][index]) for index in window]
+                        divisor = world_size * sum(samples) / len(rank_batches[rank][micro_batch])
+                    for parameter, part in zip(parameters, gradient(rank, micro_batch, divisor)):
                         parameter.grad = part if parameter.grad is None else parameter.grad + part
         elif summation == "every":
             synchronized = None
@@ -233,6 +239,19 @@ def main():
                 if variant in experiment.MODES and name == "float32":  # the same mean, summed in the mode's order
                     same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
+    # A short last micro-batch (half a batch): train.py's per-sample divisors (experiment.sample_plan) against one
+    # process taking the window's mean per sample; the document's divisors (the window's length) are off.
+    data = dataset(8, world_size, torch.float64, FLOAT_IMAGE_SIZE, short=BATCH // 2)
+    config = {"train_size": len(data), "world_size": world_size, "batch_size": BATCH, "accum_steps": ACCUM}
+    plan = experiment.window_plan(8, ACCUM, "error")
+    reference = reference_run(initial_state, data, world_size, torch.float64, "one_sum", nullcontext, per_sample=True)
+    chosen = {mode: (experiment.sample_plan(plan, config), mode) for mode in experiment.MODES}
+    chosen["broken_short_micro_batch_divided_by_window_length"] = (plan, "no_sync")
+    results["float64"]["short_micro_batch"] = {
+        variant: compare(ddp_run(initial_state, data, variant_plan, mode, rank, world_size, torch.float64, nullcontext),
+                         reference)
+        for variant, (variant_plan, mode) in chosen.items()
+    }  # fmt: skip
     if rank == 0:
         print(json.dumps(results), flush=True)
     audit.settle_comm_hooks()
