@@ -8,9 +8,10 @@ and test sizes, seed, batch, window, epochs, learning rate, weight decay, world 
 augmentation; the first that differs is named), then 5 epochs, 100 optimizer steps and 400 (every) or 100
 (no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration the
 runs recorded. Either way every item of the document's checklist is checked against what the run's witnesses
-saw (lab/checklist.py: resets, accumulation, the loss scale at the logits, the average of the ranks' gradients,
-the samples per step, the optimizer's own steps, the bytes handed to the collective), and a refusal names the
-item. Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
+saw (lab/checklist.py: resets, accumulation, the divisor read at each loss and the loss scale at the logits,
+the average of the ranks' gradients, the samples per step, the optimizer's own steps, the bytes handed to the
+collective), and a refusal names the item. A pair of the text task (train.py --task text) is held to its own
+documented configuration and its packing, made again here (docs/packed.md). Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
 model's parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every
 file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
 own confusion matrices. A run profiled with train.py --profile-windows K must show the profiler's c10d calls

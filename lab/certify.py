@@ -42,7 +42,7 @@ WITNESSES = (
     "the ranks gathered: each its own process id and GPU UUID",
     "training forwards and their samples, per rank; the sampler's shards",
     "samples through the forward and the loss per step, over ranks",
-    "gradient at the logits vs the mean loss's, recomputed",
+    "the divisor read at each loss; gradient at the logits vs the mean loss's, recomputed",
     "hook calls per backward; each backward added onto the last",
     "sync positions; synced gradient = mean of the ranks' local gradients",
     "optimizer step hooks; gradient resets seen at each backward and step",
@@ -156,11 +156,11 @@ def check_rank(path, number, who, seen, row, config, plan):
         )
         divisors += [(index, entry[2]) for index in range(entry[0], entry[1])]
     planned = [(index, micro_step.loss_divisor) for index, micro_step in enumerate(plan)]
-    # A divisor that is not whole (per sample, in a window of unequal micro-batches) was recorded to 6 decimals.
-    divisors = [
-        (index, want) if isinstance(have, float) and abs(have - want) <= 1e-6 * want else (index, have)
-        for (index, have), (_, want) in zip(divisors, planned)
-    ] + divisors[len(planned) :]
+    if config.get("task") != "text":  # per sample in a window of unequal micro-batches: recorded to 6 decimals
+        divisors = [
+            (index, want) if isinstance(have, float) and abs(have - want) <= 1e-6 * want else (index, have)
+            for (index, have), (_, want) in zip(divisors, planned)
+        ] + divisors[len(planned) :]
     if config.get("task") == "text":
         check_token_divisors(path, number, at, seen, config, plan, divisors)
     difference = None if config.get("task") == "text" else first_difference(divisors, planned)
@@ -168,14 +168,17 @@ def check_rank(path, number, who, seen, row, config, plan):
         _, have, want = difference
         where = have[0] if isinstance(have, tuple) else want[0]
         seen_divisor = have[1] if isinstance(have, tuple) else "no backward"
-        refuse(path, number, at(f"micro-batch {where}"), f"the gradient at the logits was the mean loss's divided by "
-               f"{seen_divisor}, the window's divisor is {want[1] if isinstance(want, tuple) else 'none'}", 4)  # fmt: skip
+        want = f"{want[1]:.7g}" if isinstance(want, tuple) else "none"
+        refuse(path, number, at(f"micro-batch {where}"), f"its mean loss was divided by {seen_divisor} (read at the "
+               f"loss), the window's divisor is {want} (its length; per sample where its micro-batches are unequal: "
+               f"the window's samples over the micro-batch's)", 4)  # fmt: skip
     gradient_dtype = torch.bfloat16 if config.get("precision") == "bf16" else torch.float32
     deviation_bound, residual_bound = loss_scale_bounds(gradient_dtype)
     deviation, residual = seen.get("loss_scale_deviation"), seen.get("loss_scale_residual")
     if not (is_number(deviation) and deviation <= deviation_bound):
-        refuse(path, number, at(""), f"the loss divisor seen at the logits is {deviation!r} off a whole number "
-               f"(bound {deviation_bound:.3g} for {config.get('precision')})", 4)  # fmt: skip
+        refuse(path, number, at(""), f"the gradient at the logits is {deviation!r} off the divisor read at the loss "
+               f"(bound {deviation_bound:.3g} for {config.get('precision')}): the loss was scaled between the logits "
+               f"and the criterion's value", 4)  # fmt: skip
     if not (is_number(residual) and residual <= residual_bound):
         refuse(path, number, at(""), f"the gradient at the logits is not the loss's own cross-entropy gradient "
                f"(relative residual {residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
@@ -300,11 +303,7 @@ def recomputed_packing(fingerprint, torch_version, seed, world_size):
         )
     if torch_version != torch.__version__:
         return f"the run's torch {torch_version} is not this one ({torch.__version__}), whose permutations split it"
-    split = packed.make_split(source, seed, 0, world_size)
-    split.documents = [
-        [source.documents[i] for i in part] for part in packed.split_documents(len(source.documents), seed)
-    ]
-    return split
+    return packed.make_split(source, seed, 0, world_size)
 
 
 def check_text_data(path, config, strict):
@@ -318,9 +317,11 @@ def check_text_data(path, config, strict):
     if isinstance(packing, str):
         if strict:
             raise AuditError(f"{path}: {packing}: run verify.py with the Python and torch that trained")
-        print(f"note: {packing}: the windows' tokens are the witnesses', not recomputed from the packing")
+        print(f"note: {packing}: the packing, the windows' tokens and the report's test tokens and baseline were "
+              f"not checked against the corpus (the witnesses' counts stand)")  # fmt: skip
         return None
-    for (name, part), documents in zip(packing.parts.items(), packing.documents):
+    for name, part in packing.parts.items():
+        documents = packing.documents[name]
         valid, inside = part.targets.ne(experiment.IGNORE_INDEX), part.targets[:, :-1].ne(experiment.IGNORE_INDEX)
         check(torch.equal(part.targets[:, :-1][inside], part.inputs[:, 1:][inside]), path,
               f"the {name} rows' targets are not their next inputs")  # fmt: skip

@@ -7,7 +7,7 @@ Every witness reads an event of the run itself, never the window plan the loop f
     each parameter's own gradient     tensor hooks, before accumulation and before any sync: the local contribution
     the gradients' state              a linear float64 projection of every .grad at each backward's start and at
                                       each step: resets (None or zero, however made), accumulation, alterations
-    the loss (the text task)          its targets' tokens, and the gradient reaching its value: 1 / its divisor
+    the loss                          its value and the gradient reaching it (1 / the divisor); the text task's tokens
     the optimizer                     its own step pre/post hooks, and its state's step counter
     the collective                    the hook's tensors handed to all_reduce (lab/tap.py)
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
@@ -37,7 +37,7 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 # only by the window's division (exact for a power of two, a few float32 roundings otherwise) and the rounding
 # to the logits' dtype: 2**-20 bounds the float32 part with room.
 FLOAT32_SLACK = 2.0**-20
-WHOLE = 1e-6  # a divisor read exactly is whole to float32's precision (2**-24 per rounding) when it is whole
+WHOLE = 1e-6  # a divisor read is whole to float32's precision (2**-24 per rounding) when it is whole
 # A Gaussian projection of an error vector exceeds 12 of its standard deviations with probability 4e-33.
 SIGMAS = 12
 
@@ -53,25 +53,34 @@ def loss_scale_bounds(gradient_dtype):
 CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
 
 
-def loss_scale(logits, targets, gradient, token_scale=None, divisor=None):
-    """[divisor, residual] of the gradient that reached the logits: it fitted as the mean cross-entropy's own
-    gradient divided by the divisor, that gradient recomputed by torch's kernels on the same float32 logits (a
-    confident batch's cancellations are then the same in both); the residual relative to it. The text task: the
-    reference is token_scale (the world size) x the summed token loss, and a divisor read exactly from the
-    loss's own gradient replaces the fit (the residual then holds any difference of scale too)."""
+def loss_scale(logits, targets, gradient, token_scale=None, loss=None):
+    """[divisor fitted, residual, divisor read]. Fitted: the gradient at the logits as the mean cross-entropy's,
+    recomputed by torch's kernels on the same float32 logits, over the divisor; the residual relative to it. Read
+    (`loss`: the criterion's value and the gradient reaching it; else NaN): the divisor the loop applied, exactly,
+    times any other count the criterion divided by. Text: the reference is token_scale x the token loss's sum."""
     with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
         leaf = logits.detach().float().requires_grad_()
-        reference = (
-            CROSS_ENTROPY(leaf, targets)
-            if token_scale is None
-            else token_scale
-            * CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        )
+        if token_scale is None:
+            reference = CROSS_ENTROPY(leaf, targets)
+        else:  # the summed token loss: the text task's divisor is then the window's tokens
+            summed = CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            reference = token_scale * summed
         (mean_loss_gradient,) = torch.autograd.grad(reference, leaf)
     expected, seen = mean_loss_gradient.double(), gradient.double()
-    if divisor is None:
-        divisor = expected.square().sum() / (seen * expected).sum()
-    return torch.stack([divisor, (seen * divisor - expected).norm() / expected.norm()])
+    fitted = expected.square().sum() / (seen * expected).sum()
+    read = torch.full_like(fitted, math.nan)  # the criterion's value and its gradient below, when they were seen
+    if loss is not None:
+        read = reference.detach().double() / (loss[0].double() * loss[1].double())
+    divisor = fitted if token_scale is None or loss is None else read
+    return torch.stack([fitted, (seen * divisor - expected).norm() / expected.norm(), read])
+
+
+def recorded_divisor(fitted, read):
+    """A backward's divisor as recorded: the one read, whole where whole to WHOLE, else to 6 decimals (a window of
+    unequal micro-batches); where none was read, the fit rounded to a whole number; None where not finite."""
+    if not math.isfinite(read):
+        return round(fitted) if math.isfinite(fitted) else None
+    return round(read) if abs(read - round(read)) <= WHOLE * abs(read) else round(read, 6)
 
 
 PROCESS_ID = uuid.uuid4().hex  # each process's own name: a host name and a pid can repeat across containers
@@ -132,8 +141,7 @@ class Witness:
         self.flat = torch.empty(start, dtype=torch.float64, device=device)  # the gradients read, as float64
         # This backward's own gradients, copied as they arrive: DDP may later write the mean into the very tensor
         # a first backward's gradient became.
-        self.own = torch.empty(start, dtype=torch.float64, device=device)
-        self.own_arrived = set()
+        self.own, self.own_arrived = torch.empty(start, dtype=torch.float64, device=device), set()
         # Each parameter's slice of both, laid out as the parameter is (channels_last or not): its gradient is
         # copied element for element by logical index, in memory order when the layouts agree.
         self.flat_views, self.own_views = (
@@ -142,17 +150,15 @@ class Witness:
         )
         # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
-        self.trace = None
-        self.awaiting_loss = False
-        self.loss_gradient = None  # the gradient that reached the criterion's value
+        self.trace, self.awaiting_loss = None, False
+        self.loss_value = self.loss_gradient = None  # the criterion's value, and the gradient that reached it
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
         self.window = torch.zeros(6 if self.counts_tokens else 5, dtype=torch.float64, device=device)
         self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
-        self.window_syncs = 0
-        self.wire_dtype = torch.float32
+        self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
         criterion.register_forward_hook(self.on_loss)
         for index, parameter in enumerate(self.parameters):
@@ -216,8 +222,8 @@ class Witness:
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
-            self.loss_gradient = None
-            if output.requires_grad:
+            self.loss_value, self.loss_gradient = output.detach(), None
+            if output.requires_grad and output.dim() == 0:
                 output.register_hook(partial(setattr, self, "loss_gradient"))
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
@@ -226,21 +232,16 @@ class Witness:
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
-        """The backward's first event in the model: read the gradients' state, and the loss scale: the gradient
-        that reached the logits against the mean cross-entropy's own, recomputed by torch's kernels on the same
-        float32 logits (so a confident batch's cancellations are the same in both)."""
+        """The backward's first event in the model: read the gradients' state, and the loss scale (loss_scale: the
+        divisor read at the loss, and the gradient at the logits against the mean cross-entropy's, recomputed)."""
         index = self.trace.micro_batches - 1
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        token_scale = exact = None
-        if self.loss_gradient is not None:  # the divisor read exactly (the fit at the logits where it is not)
-            exact = 1 / self.loss_gradient.double()
-        if self.counts_tokens:  # the window's tokens over every rank, as the loss's own gradient gives them
-            token_scale = self.comm_audit.world_size
-            exact = None if exact is None else token_scale * self.trace.micro_batch_tokens[-1].double() * exact
-        scale = loss_scale(logits, targets, gradient, token_scale, exact if self.counts_tokens else None)
-        self.trace.loss_scales.append(torch.cat([scale, (scale[0] if exact is None else exact).reshape(1)]))
+        loss = None if self.loss_gradient is None else (self.loss_value, self.loss_gradient)
+        self.loss_gradient = None
+        token_scale = self.comm_audit.world_size if self.counts_tokens else None
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, loss))
         self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -355,14 +356,11 @@ def witness_of(ddp_model, optimizer, criterion, device):
 
 
 def divisor_runs(positions, scales):
-    """Per backward its micro-batch and [divisor fitted, residual, divisor read exactly], as [start, stop, divisor]
-    runs of consecutive micro-batches (stop exclusive): the exact divisor, whole where it is one to float32's
-    precision, else to 6 decimals (a window of unequal micro-batches); None where it is not a finite number."""
+    """Per backward its micro-batch and [divisor fitted, residual, divisor read], as [start, stop, divisor] runs of
+    consecutive micro-batches (stop exclusive), each divisor as recorded_divisor records it."""
     runs = []
-    for index, (_, _, exact) in zip(positions, scales):
-        whole = None
-        if math.isfinite(exact):
-            whole = round(exact) if abs(exact - round(exact)) <= WHOLE * abs(exact) else round(exact, 6)
+    for index, (fitted, _, read) in zip(positions, scales):
+        whole = recorded_divisor(fitted, read)
         if runs and runs[-1][1] == index and runs[-1][2] == whole:
             runs[-1][1] += 1
         else:
@@ -377,9 +375,10 @@ def summarize(trace, state_steps):
     states = torch.stack(trace.gradient_states).tolist() if trace.gradient_states else []
     averages = torch.stack(trace.averages).tolist() if trace.averages else []
     deviation = residual = 0.0
-    for divisor, off, exact in scales:  # the fit at the logits against the divisor read exactly
-        fitted = abs(divisor / exact - 1) if exact else math.inf
-        deviation = max(deviation, fitted if math.isfinite(fitted) else math.inf)
+    for fitted, off, read in scales:  # the fit at the logits against the divisor recorded
+        recorded = recorded_divisor(fitted, read)
+        off_divisor = abs(fitted / recorded - 1) if recorded else math.inf
+        deviation = max(deviation, off_divisor if math.isfinite(off_divisor) else math.inf)
         residual = max(residual, off if math.isfinite(off) else math.inf)
     off_average = [
         {"optimizer_step": step, "synced": synced, "mean_of_ranks": mean, "bound": bound}

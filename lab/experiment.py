@@ -100,7 +100,7 @@ class MicroStep:
     """What one micro-batch does: all-reduce in its backward (in no_sync mode), divide its loss, step after it."""
 
     sync: bool
-    loss_divisor: int
+    loss_divisor: float  # the window's length, or per sample / per token (sample_plan, packed.loss_plan)
     step: bool
 
 

@@ -122,21 +122,24 @@ def split_documents(count, seed):
 class TextSplit(Split):
     """The split's rows (Split's indices are rows of each part) and the packed parts themselves."""
 
-    parts: dict = None
+    parts: dict = None  # the packed rows of each part
+    documents: dict = None  # each part's documents (bytes), in the order packed
 
 
 def make_split(source, seed, rank, world_size):
     """Each part packed from its documents (in the seeded order); this rank's sampler over the train rows."""
-    parts = {
-        name: pack([source.documents[index] for index in indices])
-        for name, indices in zip(("train", "validation", "test"), split_documents(len(source.documents), seed))
+    names = ("train", "validation", "test")
+    documents = {
+        name: [source.documents[index] for index in indices]
+        for name, indices in zip(names, split_documents(len(source.documents), seed))
     }
+    parts = {name: pack(part) for name, part in documents.items()}
     rows = {name: list(range(len(part.inputs))) for name, part in parts.items()}
     if min(map(len, rows.values())) < world_size:
         counts = ", ".join(f"{name} {len(part)}" for name, part in rows.items())
         raise LabError(f"the corpus packs into too few rows for {world_size} ranks ({counts}); run fewer ranks")
     sampler = train_sampler(len(rows["train"]), seed, rank, world_size)
-    return TextSplit(rows["train"], rows["validation"], rows["test"], sampler, parts)
+    return TextSplit(rows["train"], rows["validation"], rows["test"], sampler, parts, documents)
 
 
 def train_sampler(rows, seed, rank, world_size):
@@ -186,7 +189,10 @@ def window_tokens(row_tokens, plan, seed, epoch, world_size, batch_size):
     all ranks' from the seed and the epoch: the same number everywhere, before the window's first backward)."""
     per_rank = [rank_micro_batch_tokens(row_tokens, seed, epoch, r, world_size, batch_size) for r in range(world_size)]
     if any(len(tokens) != len(plan) for tokens in per_rank):
-        raise LabError(f"the packing gives {len(per_rank[0])} micro-batches per rank, the plan {len(plan)}")
+        raise LabError(
+            f"the packing gives {len(per_rank[0])} micro-batches per rank, the run's plan {len(plan)}: its configured "
+            f"sizes are not this corpus's (rerun it, or verify it with the Python and torch that trained it)"
+        )
     counts = []
     for window in window_indices(plan):
         counts += [sum(tokens[i] for tokens in per_rank for i in window)] * len(window)

@@ -124,7 +124,8 @@ def test_the_loss_scale_is_read_within_its_bound_however_confident_the_model(pre
     """checklist.loss_scale on the gradient a real loss/divisor backward leaves at the logits (under BF16
     autocast as the lab runs it, or float32): the divisor comes back within the bound, for random logits and
     for batches the model is sure of (margins up to 30, where softmax - one-hot cancels to rounding), of 50,
-    2 and 1 samples; a wrong divisor is far outside it."""
+    2 and 1 samples; a wrong divisor is far outside it. The divisor read at the loss (its value and the gradient
+    that reached it) is the divisor itself, recorded whole."""
     generator = torch.Generator().manual_seed(3)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     deviation_bound, residual_bound = checklist.loss_scale_bounds(dtype)
@@ -137,11 +138,13 @@ def test_the_loss_scale_is_read_within_its_bound_however_confident_the_model(pre
                 logits = leaf * 1.0  # the logits in the autocast dtype, as the model's classifier leaves them
                 loss = torch.nn.functional.cross_entropy(logits, targets)
             logits.retain_grad()
+            loss.retain_grad()
             (loss / divisor).backward()
-            found, residual = checklist.loss_scale(logits.detach(), targets, logits.grad).tolist()
+            seen = (loss.detach(), loss.grad)
+            found, residual, read = checklist.loss_scale(logits.detach(), targets, logits.grad, loss=seen).tolist()
             assert abs(found / divisor - 1) <= deviation_bound, (batch, margin, divisor, found)
             assert residual <= residual_bound, (batch, margin, divisor, residual)
-            assert round(found) == divisor
+            assert checklist.recorded_divisor(found, read) == divisor == round(found)
 
 
 def test_strict_verify_holds_every_documented_key(tmp_path):

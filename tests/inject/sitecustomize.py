@@ -45,7 +45,8 @@ LAB_TEST_TEXT_NO_CORPUS=1: this Python has no pydoc_data (as some distributions 
 LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK ("<rank>"): that rank's pydoc_data.topics holds one more document, as another
   Python's would.
 LAB_TEST_TEXT_LOSS: the text task's loss done wrong beneath the loop: "padding_in_mean" averages the summed
-  token losses over every position of the batch (padding and boundaries counted), "first_target_dropped" has
+  token losses over every position of the batch (padding and boundaries counted), "one_token_too_many" over its
+  tokens plus one (a count off by one, within BF16's rounding at the logits), "first_target_dropped" has
   the rows reach the loss with each row's first target masked (the packing's counts no longer those trained).
 """
 
@@ -77,6 +78,17 @@ if os.environ.get("LAB_TEST_TEXT_LOSS") == "padding_in_mean":
         return summed / targets.numel()
 
     language.TokenCrossEntropy.forward = mean_over_every_position
+
+if os.environ.get("LAB_TEST_TEXT_LOSS") == "one_token_too_many":
+    from torch.nn import functional
+
+    from lab import experiment, language
+
+    def mean_over_one_token_too_many(self, logits, targets):
+        summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+        return summed / (targets.ne(experiment.IGNORE_INDEX).sum() + 1)
+
+    language.TokenCrossEntropy.forward = mean_over_one_token_too_many
 
 if os.environ.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
     from lab import experiment, packed
