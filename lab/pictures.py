@@ -180,14 +180,20 @@ def panel_grid(columns, rows, panel_width=430, panel_height=260):
     return (width, height), boxes
 
 
+def titled_canvas(title, columns, rows=1):
+    """A white canvas of panel_grid's size with its title, its drawing context, and each panel's box."""
+    (width, height), boxes = panel_grid(columns, rows)
+    image = Image.new("RGB", (width, height), WHITE)
+    draw = ImageDraw.Draw(image)
+    centred_text(draw, (width / 2, 20), title, font(18))
+    return image, draw, boxes
+
+
 def line_panels(title, panels):
     """Panels of lines over epochs. panels: [{"title", "y_label", "series": [{"label", "mode", "dashed",
     "values"}]}]; a series is coloured by its mode, every's before no_sync's. Returns (image, data with each
     point's pixel)."""
-    (width, height), boxes = panel_grid(len(panels), 1)
-    image = Image.new("RGB", (width, height), WHITE)
-    draw = ImageDraw.Draw(image)
-    centred_text(draw, (width / 2, 20), title, font(18))
+    image, draw, boxes = titled_canvas(title, len(panels))
     data = []
     for panel, box in zip(panels, boxes):
         values = [value for series in panel["series"] for value in series["values"]]
@@ -221,7 +227,7 @@ def line_panels(title, panels):
         data.append({"title": panel["title"], "series": drawn})
     legend(
         draw,
-        (boxes[0][0], height - 26),
+        (boxes[0][0], image.height - 26),
         [(s["label"], MODE_COLOURS[s["mode"]], s["dashed"]) for s in panels[0]["series"]],
     )
     return image, {"panels": data}
@@ -230,11 +236,7 @@ def line_panels(title, panels):
 def bar_panels(title, panels, columns=2):
     """Panels of grouped bars per epoch, one bar per mode, from zero. panels: [{"title", "y_label",
     "bars": {mode: [value per epoch]}}]. Returns (image, data with each bar's pixel box)."""
-    rows = math.ceil(len(panels) / columns)
-    (width, height), boxes = panel_grid(columns, rows)
-    image = Image.new("RGB", (width, height), WHITE)
-    draw = ImageDraw.Draw(image)
-    centred_text(draw, (width / 2, 20), title, font(18))
+    image, draw, boxes = titled_canvas(title, columns, math.ceil(len(panels) / columns))
     data = []
     for panel, box in zip(panels, boxes):
         modes = list(panel["bars"])
@@ -254,7 +256,7 @@ def bar_panels(title, panels, columns=2):
                 boxes_drawn.append(bar)
             drawn[mode] = {"values": panel["bars"][mode], "boxes": boxes_drawn, "colour": list(MODE_COLOURS[mode])}
         data.append({"title": panel["title"], "bars": drawn, "zero_y": axes.y(0)})
-    legend(draw, (boxes[0][0], height - 26), [(mode, MODE_COLOURS[mode], None) for mode in panels[0]["bars"]])
+    legend(draw, (boxes[0][0], image.height - 26), [(mode, MODE_COLOURS[mode], None) for mode in panels[0]["bars"]])
     return image, {"panels": data}
 
 
@@ -384,10 +386,7 @@ def timeline_image(title, panels, caption):
 def index_panels(title, panels):
     """Panels of values against their index (micro-batches, windows), side by side. panels: [{"title", "x_label",
     "y_label", "series": [{"label", "colour", "values"}]}]. Returns (image, data with each point's pixel)."""
-    (width, height), boxes = panel_grid(len(panels), 1)
-    image = Image.new("RGB", (width, height), WHITE)
-    draw = ImageDraw.Draw(image)
-    centred_text(draw, (width / 2, 20), title, font(18))
+    image, draw, boxes = titled_canvas(title, len(panels))
     data = []
     for panel, box in zip(panels, boxes):
         values = [value for series in panel["series"] for value in series["values"]]
@@ -405,5 +404,5 @@ def index_panels(title, panels):
             drawn.append({"label": series["label"], "values": series["values"], "points": points})
         data.append({"title": panel["title"], "series": drawn})
     labels = {series["label"]: tuple(series["colour"]) for panel in panels for series in panel["series"]}
-    legend(draw, (boxes[0][0], height - 26), [(label, colour, False) for label, colour in labels.items()])
+    legend(draw, (boxes[0][0], image.height - 26), [(label, colour, False) for label, colour in labels.items()])
     return image, {"panels": data}

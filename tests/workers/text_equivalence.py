@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
+from equivalence import compare, new_optimizer, recorder  # noqa: E402  (the image proof's, beside this one)
 from lab import audit, cli, experiment, packed  # noqa: E402
 from lab.language import ByteTransformer, TokenCrossEntropy  # noqa: E402
 from lab.precision import choose_precision  # noqa: E402
@@ -42,25 +43,10 @@ def unequal_rows():
     return packed.PackedRows(train_part.inputs[chosen], train_part.targets[chosen])
 
 
-def flat(tensors):
-    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
-
-
-def recorder(model, optimizer):
-    record = {"grads": [], "params": []}
-    optimizer.register_step_pre_hook(lambda *_: record["grads"].append(flat(p.grad for p in model.parameters())))
-    optimizer.register_step_post_hook(lambda *_: record["params"].append(flat(model.parameters())))
-    return record
-
-
 def new_model(initial_state, dtype):
     model = ByteTransformer().to(dtype)
     model.load_state_dict(initial_state)
     return model
-
-
-def new_optimizer(model):
-    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
 
 
 def ddp_run(initial_state, rows, normalization, mode, rank, world_size, dtype, autocast, broken=None):
@@ -120,22 +106,6 @@ def reference_run(initial_state, rows, world_size, dtype, autocast):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record
-
-
-def relative(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-def compare(record, reference):
-    steps = range(min(len(record["params"]), len(reference["params"])))
-    return {
-        "steps": len(record["params"]),
-        "reference_steps": len(reference["params"]),
-        "grad_relative": [relative(record["grads"][i], reference["grads"][i]) for i in steps],
-        "param_relative": [relative(record["params"][i], reference["params"][i]) for i in steps],
-        "ranks_agree": record["ranks_agree"],
-        "gradient_syncs": record["gradient_syncs"],
-    }
 
 
 def main():
