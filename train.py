@@ -287,9 +287,7 @@ def run(args, place):
             torch.cuda.reset_peak_memory_stats(device)
         epoch.segment_started = audit.read_clock(device)
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
-        epoch_plan = (
-            packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
-        )  # text: per token
+        epoch_plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
         with profiled or nullcontext(), audit.ddp_errors_explained():
             train_epoch(
                 ddp_model, setup.loaders.train, epoch_plan, args.mode, optimizer, criterion, device, autocast, progress,

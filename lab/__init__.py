@@ -7,6 +7,7 @@ per concern; docs/architecture.md draws what flows between them.
     precision    BF16 autocast or float32, chosen for the hardware
     pictures     the pictures, drawn with Pillow
     records      the run folder written all or nothing, the run's configuration, rows and results, read back
+    scale        the loss's divisor read at each loss and fitted at the logits, their bounds, how it is recorded
     checklist    the document's checklist observed: witnesses of what a run did, and verify.py's check of each item
     data         CIFAR-10's two layouts, the decode cache, the seeded split and the samplers
     loaders      the two loaders (tensor, PIL) over the split, and an epoch's batches from any batch on

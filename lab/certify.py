@@ -8,9 +8,9 @@ import functools
 import torch
 
 from lab import experiment, packed
-from lab.checklist import loss_scale_bounds
 from lab.cli import LabError
 from lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
+from lab.scale import loss_scale_bounds
 
 # The document's checklist (its last section), in its order: the Romanian text and an English gloss.
 ITEMS = (

@@ -23,64 +23,16 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 from torch.profiler import record_function
 
 from lab import experiment
 from lab.experiment import IGNORE_INDEX, runs_of
+from lab.scale import CROSS_ENTROPY, UNIT_ROUNDOFF, divisor_runs, loss_scale, recorded_divisor
 
 AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
 PROJECTION_SEED = 47_000_047
-# Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
-# The mean loss's gradient is recomputed with torch's own kernels on the same float32 logits, so the two differ
-# only by the window's division (exact for a power of two, a few float32 roundings otherwise) and the rounding
-# to the logits' dtype: 2**-20 bounds the float32 part with room.
-FLOAT32_SLACK = 2.0**-20
-WHOLE = 1e-6  # a divisor read is whole to float32's precision (2**-24 per rounding) when it is whole
 # A Gaussian projection of an error vector exceeds 12 of its standard deviations with probability 4e-33.
 SIGMAS = 12
-
-
-def loss_scale_bounds(gradient_dtype):
-    """(divisor's relative deviation, residual) allowed for a logits gradient held in `gradient_dtype`: each
-    element of it is the recomputed one divided by the divisor, within u of its own size (u of the dtype, plus
-    the float32 slack), so the fitted divisor moves by at most u / (1 - u) and the residual by at most twice."""
-    unit = UNIT_ROUNDOFF[gradient_dtype] + FLOAT32_SLACK
-    return 1.1 * unit, 2.2 * unit
-
-
-CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
-
-
-def loss_scale(logits, targets, gradient, token_scale=None, loss=None):
-    """[divisor fitted, residual, divisor read]. Fitted: the gradient at the logits as the mean cross-entropy's,
-    recomputed by torch's kernels on the same float32 logits, over the divisor; the residual relative to it. Read
-    (`loss`: the criterion's value and the gradient reaching it; else NaN): the divisor the loop applied, exactly,
-    times any other count the criterion divided by. Text: the reference is token_scale x the token loss's sum."""
-    with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
-        leaf = logits.detach().float().requires_grad_()
-        if token_scale is None:
-            reference = CROSS_ENTROPY(leaf, targets)
-        else:  # the summed token loss: the text task's divisor is then the window's tokens
-            summed = CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-            reference = token_scale * summed
-        (mean_loss_gradient,) = torch.autograd.grad(reference, leaf)
-    expected, seen = mean_loss_gradient.double(), gradient.double()
-    fitted = expected.square().sum() / (seen * expected).sum()
-    read = torch.full_like(fitted, math.nan)  # the criterion's value and its gradient below, when they were seen
-    if loss is not None:
-        read = reference.detach().double() / (loss[0].double() * loss[1].double())
-    divisor = fitted if token_scale is None or loss is None else read
-    return torch.stack([fitted, (seen * divisor - expected).norm() / expected.norm(), read])
-
-
-def recorded_divisor(fitted, read):
-    """A backward's divisor as recorded: the one read, whole where whole to WHOLE, else to 6 decimals (a window of
-    unequal micro-batches); where none was read, the fit rounded to a whole number; None where not finite."""
-    if not math.isfinite(read):
-        return round(fitted) if math.isfinite(fitted) else None
-    return round(read) if abs(read - round(read)) <= WHOLE * abs(read) else round(read, 6)
 
 
 PROCESS_ID = uuid.uuid4().hex  # each process's own name: a host name and a pid can repeat across containers
@@ -151,7 +103,8 @@ class Witness:
         # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
         self.trace, self.awaiting_loss = None, False
-        self.loss_value = self.loss_gradient = None  # the criterion's value, and the gradient that reached it
+        # The criterion's value, the mean cross-entropy's computed alike, and the gradient that reached the value.
+        self.loss_value = self.loss_reference = self.loss_gradient = None
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
@@ -222,8 +175,11 @@ class Witness:
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
-            self.loss_value, self.loss_gradient = output.detach(), None
+            self.loss_value, self.loss_gradient = output.detach().clone(), None
             if output.requires_grad and output.dim() == 0:
+                with torch.no_grad():  # the mean cross-entropy's value as the criterion's would be, in its context
+                    flat = (logits.flatten(0, -2), targets.flatten()) if self.counts_tokens else (logits, targets)
+                    self.loss_reference = CROSS_ENTROPY(*flat, ignore_index=IGNORE_INDEX)
                 output.register_hook(partial(setattr, self, "loss_gradient"))
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
@@ -238,12 +194,22 @@ class Witness:
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        loss = None if self.loss_gradient is None else (self.loss_value, self.loss_gradient)
-        self.loss_gradient = None
         token_scale = self.comm_audit.world_size if self.counts_tokens else None
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, loss))
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, self.divisor_read()))
         self.own_arrived = set()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
+
+    def divisor_read(self):
+        """The divisor the loop applied to this backward's loss, exactly (the gradient reaching the criterion's value
+        is its inverse), times any other count the criterion divided by (its value against the mean's, computed
+        alike); the text task's in the window's tokens. None where no gradient reached the criterion's value."""
+        if self.loss_gradient is None:
+            return None
+        read = self.loss_reference.double() / (self.loss_value.double() * self.loss_gradient.double())
+        self.loss_gradient = None
+        if self.counts_tokens:
+            read = read * self.comm_audit.world_size * self.trace.micro_batch_tokens[-1]
+        return read
 
     def on_parameter_gradient(self, index, gradient):
         """A parameter's gradient from this backward alone, before it is accumulated or synchronized: copied,
@@ -353,19 +319,6 @@ def witness_of(ddp_model, optimizer, criterion, device):
     if not hasattr(ddp_model, "witness"):
         ddp_model.witness = Witness(ddp_model, optimizer, criterion, ddp_model.comm_audit, device)
     return ddp_model.witness
-
-
-def divisor_runs(positions, scales):
-    """Per backward its micro-batch and [divisor fitted, residual, divisor read], as [start, stop, divisor] runs of
-    consecutive micro-batches (stop exclusive), each divisor as recorded_divisor records it."""
-    runs = []
-    for index, (fitted, _, read) in zip(positions, scales):
-        whole = recorded_divisor(fitted, read)
-        if runs and runs[-1][1] == index and runs[-1][2] == whole:
-            runs[-1][1] += 1
-        else:
-            runs.append([index, index + 1, whole])
-    return runs
 
 
 def summarize(trace, state_steps):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
-from lab import certify, checklist, experiment, records
+from lab import certify, experiment, records, scale
 from model import CifarCNN
 
 # Each bug, the checklist item it breaks (or the loop's and the beneath one's), and the modes its two injections
@@ -115,36 +115,42 @@ def check_correct_rank(seen, row):
     assert seen["optimizer_state_steps"] == 5
     assert row["witness_allreduces"] == 5
     # Within BF16's bounds (float32's are tighter); exactly 0 is right where float32 divides by 4 exactly.
-    bound, residual_bound = checklist.loss_scale_bounds(torch.bfloat16)
+    bound, residual_bound = scale.loss_scale_bounds(torch.bfloat16)
     assert 0 <= seen["loss_scale_deviation"] <= bound and 0 <= seen["loss_scale_residual"] <= residual_bound
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_loss_scale_is_read_within_its_bound_however_confident_the_model(precision):
-    """checklist.loss_scale on the gradient a real loss/divisor backward leaves at the logits (under BF16
+    """scale.loss_scale on the gradient a real loss/divisor backward leaves at the logits (under BF16
     autocast as the lab runs it, or float32): the divisor comes back within the bound, for random logits and
     for batches the model is sure of (margins up to 30, where softmax - one-hot cancels to rounding), of 50,
     2 and 1 samples; a wrong divisor is far outside it. The divisor read at the loss (its value and the gradient
     that reached it) is the divisor itself, recorded whole."""
     generator = torch.Generator().manual_seed(3)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    deviation_bound, residual_bound = checklist.loss_scale_bounds(dtype)
+    deviation_bound, residual_bound = scale.loss_scale_bounds(dtype)
     for batch, margin in ((50, 0), (50, 14), (50, 16), (50, 18), (50, 30), (2, 20), (1, 20)):
         targets = torch.randint(0, 10, (batch,), generator=generator)
         weights = torch.randn(batch, 10, generator=generator) + margin * torch.nn.functional.one_hot(targets, 10)
         for divisor in (1, 3, 4, 16):
             leaf = weights.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                logits = leaf * 1.0  # the logits in the autocast dtype, as the model's classifier leaves them
+                logits = leaf.to(
+                    torch.bfloat16 if precision == "bf16" else torch.float32
+                )  # as a classifier leaves them
                 loss = torch.nn.functional.cross_entropy(logits, targets)
             logits.retain_grad()
             loss.retain_grad()
             (loss / divisor).backward()
-            seen = (loss.detach(), loss.grad)
-            found, residual, read = checklist.loss_scale(logits.detach(), targets, logits.grad, loss=seen).tolist()
+            # Read as the witness does: the mean cross-entropy's value computed alike, over the criterion's times
+            # the gradient that reached it.
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), torch.no_grad():
+                alike = torch.nn.functional.cross_entropy(logits, targets)
+            read = alike.double() / (loss.detach().double() * loss.grad.double())
+            found, residual, read = scale.loss_scale(logits.detach(), targets, logits.grad, read=read).tolist()
             assert abs(found / divisor - 1) <= deviation_bound, (batch, margin, divisor, found)
             assert residual <= residual_bound, (batch, margin, divisor, residual)
-            assert checklist.recorded_divisor(found, read) == divisor == round(found)
+            assert scale.recorded_divisor(found, read) == divisor == round(found)
 
 
 def test_strict_verify_holds_every_documented_key(tmp_path):
@@ -228,7 +234,7 @@ def test_correct_runs_in_float32_pass_within_the_tighter_bounds(injected_runs):
     result = verify(artifacts)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
-    bound, residual_bound = checklist.loss_scale_bounds(torch.float32)
+    bound, residual_bound = scale.loss_scale_bounds(torch.float32)
     for mode in ("every", "no_sync"):
         assert read_json(artifacts / mode / "run.json")["config"]["precision"] == "fp32"
         for row in read_json(artifacts / mode / "history.json"):
