@@ -61,10 +61,6 @@ def refuse(path, number, where, message, checklist_item):
     raise AuditError(f"{path}: epoch {number}{where}: {message}{item(checklist_item)}")
 
 
-def window_starts(plan):
-    return [index for index in range(len(plan)) if index == 0 or plan[index - 1].step]
-
-
 def first_difference(seen, expected):
     """The first index where two lists differ (their lengths included), with both values there."""
     for index in range(max(len(seen), len(expected))):
@@ -184,7 +180,7 @@ def check_rank(path, number, who, seen, row, config, plan):
                f"(relative residual {residual!r}, bound {residual_bound:.3g})", 4)  # fmt: skip
 
     # 5 and 7. Resets only at the windows' starts; every other backward adds onto what the last one left.
-    starts = window_starts(plan)
+    starts = [window[0] for window in experiment.window_indices(plan)]
     backward_starts = experiment.from_progressions(seen["backward_starts"])
     difference = first_difference(backward_starts, list(range(len(plan))))
     if difference is not None:
