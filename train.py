@@ -41,7 +41,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from lab import audit, checklist, data, experiment, language, launch, loaders, packed, records, resume, tap
 from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
+from lab.memory import saved_activations
 from lab.precision import PRECISIONS
+from lab.sharded import fsdp_in_range, wrap_sharded
 from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
@@ -55,6 +57,7 @@ def parse_args(argv=None):
     )
     add = parser.add_argument
     add("--mode", choices=experiment.MODES, required=True)
+    add("--strategy", choices=experiment.STRATEGIES, default="ddp", help="fsdp: FSDP2's shards (docs/fsdp.md)")
     add("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
     add("--task", choices=experiment.TASKS, default="cifar10", help="text: packed sequences (docs/packed.md)")
     add("--epochs", type=positive_int, help="default: the task's documented number")
@@ -82,18 +85,15 @@ def parse_args(argv=None):
     add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")
-    return experiment.in_range(parser, parser.parse_args(argv))
+    return fsdp_in_range(parser, experiment.in_range(parser, parser.parse_args(argv)))
 
 
 # ----------------------------------------------------------------------------- DDP and its counting hook
 
 
 def counting_allreduce_hook(comm_audit, bucket):
-    """DDP's averaging all-reduce (divide by world size, then sum), or torch's compressing hook that the run
-    chose (--comm-hook), counted and timed. An audit instrument.
-
-    DDP calls the hook once per gradient bucket; bucket.is_last() marks the end of one synchronized backward.
-    """
+    """DDP's averaging all-reduce (divide by world size, then sum), or the run's compressing hook (--comm-hook),
+    counted and timed. DDP calls it once per gradient bucket; bucket.is_last() ends one synchronized backward."""
     comm_audit.sync_bucket_calls += 1
     if bucket.is_last():
         comm_audit.count_sync()  # and DDP's used-parameter all-reduce, when its settings make one
@@ -134,8 +134,7 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
 
 
 def make_optimizer(parameters, device):
-    """The document's AdamW; on GPU one fused kernel updates every parameter (on CPU the step is about 1 ms
-    of a window's 850, whichever implementation)."""
+    """The document's AdamW; on GPU one fused kernel updates every parameter (on CPU a step is ~1 ms of 850)."""
     lr, decay = experiment.DOCUMENTED["learning_rate"], experiment.DOCUMENTED["weight_decay"]
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay, fused=True if device.type == "cuda" else None)
 
@@ -145,10 +144,9 @@ def make_optimizer(parameters, device):
 
 def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None,
                 epoch=None, session=None):  # fmt: skip
-    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it); profiled in part
+    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it), profiled in part
     when a WindowProfiler is given; at each window's end the session saves or stops when due. Returns this rank's
-    (loss sum, correct, count) as a float64 tensor, and its EpochTrace: what audit.ranks_agree found at each step;
-    the witnesses attached to the model (lab/checklist.py) fill in what they saw of syncs, steps and resets."""
+    (loss sum, correct, count) and its EpochTrace, which the witnesses (lab/checklist.py) fill in."""
     epoch = epoch or resume.EpochState(0)
     comm_audit, trace = ddp_model.comm_audit, epoch.trace
     checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
@@ -168,7 +166,7 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
         with span(f"{MICRO_BATCH_LABEL}{index}"):
             with ddp_model.no_sync() if suppress_sync else nullcontext():
                 # The first micro-batch of each epoch is measured: every full micro-batch holds the same.
-                with audit.saved_activations(ddp_model.module) if index == 0 else nullcontext() as held:
+                with saved_activations(ddp_model.module) if index == 0 else nullcontext() as held:
                     with autocast():
                         logits = ddp_model(inputs)
                         raw_loss = criterion(logits, targets)
@@ -200,11 +198,8 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
 
 @torch.no_grad()
 def evaluate(ddp_model, loader, criterion, device, autocast, progress, label, group=None):
-    """Loss, accuracy and confusion matrix (rows true, columns predicted), summed over ranks.
-
-    Through the DDP wrapper, as in training: its first forward broadcasts rank 0's BatchNorm buffers, so
-    every rank evaluates the same model, the one saved in model.pt.
-    """
+    """Loss, accuracy and confusion matrix (rows true, columns predicted), summed over ranks. Through the DDP
+    wrapper: its first forward broadcasts rank 0's BatchNorm buffers, so every rank evaluates model.pt's model."""
     ddp_model.eval()
     if not ddp_model.broadcast_buffers:  # each rank kept its own BatchNorm statistics: evaluate rank 0's
         ddp_model.broadcast_rank_0_buffers()
@@ -252,7 +247,10 @@ def run(args, place):
 
     model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
     model = model.to(device, memory_format=MEMORY_FORMAT)
-    ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
+    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (lab/sharded.py)
+        ddp_model, comm_audit = wrap_sharded(model, device, place.world_size, group, config)
+    else:
+        ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
     criterion = language.TokenCrossEntropy() if text else nn.CrossEntropyLoss()
     optimizer = make_optimizer(ddp_model.parameters(), device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
@@ -315,12 +313,13 @@ def run(args, place):
 
     progress.prefix = ""
     test = evaluate_on(setup.loaders.test, label="test")
+    weights = ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
     if is_writer and text:
         report, record = language.write_results(folder, args, config, test, setup.split, model, run_id, started_at)
     elif is_writer:
         majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
         report, record = records.write_results(
-            folder, args, config, test[2], majority, ddp_model.module, setup.source.test_images[0], test[:2],
+            folder, args, config, test[2], majority, weights, setup.source.test_images[0], test[:2],
             run_id, started_at,
         )  # fmt: skip
     if is_writer:

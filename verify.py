@@ -22,9 +22,10 @@ when both runs were profiled.
 """
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from lab import certify, checks, experiment, language, resume, tables
+from lab import certify, checks, experiment, language, resume, sharded, tables
 from lab.cli import ArgumentParser, LabError, exit_with
 from lab.records import (
     CONFUSION_FILE,
@@ -122,6 +123,8 @@ def main():
     platform = ", ".join(f"{key} {config.get(key)}" for key in certify.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(language.ByteTransformer() if text else CifarCNN())
+    if config.get("strategy") == "fsdp":  # FSDP's units, each padded to equal shards
+        sizes = replace(sizes, fsdp_unit_numels=sharded.unit_numels(CifarCNN(), config["world_size"]))
     runs = {
         mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, not args.expect_from_config)
         for mode in experiment.MODES

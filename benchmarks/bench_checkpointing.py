@@ -5,7 +5,7 @@
 
 For each micro-batch size, CifarCNN plain and with its stages checkpointed (model.STAGES, non-reentrant, as
 train.py --activation-checkpointing), in turns: the activations held from a forward for its backward (counted by
-audit.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
+memory.saved_activations through saved_tensors_hooks, the same on every device), the time of a forward and
 backward at the lab's numerics (--precision, channels_last; median over repeats), and on CUDA the peak
 allocated memory of a micro-batch. No DDP: checkpointing changes nothing that crosses between the ranks (the
 gradients and their buckets are the same), which the lab's runs show by their counts. The table is printed
@@ -23,7 +23,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench_speed import machine  # noqa: E402
-from lab import audit, cli, records  # noqa: E402
+from lab import audit, cli, memory, records  # noqa: E402
 from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
 
@@ -54,7 +54,7 @@ def measure(network, batch_size, args, device, precision):
     def micro_batch():
         forward().backward()
 
-    with audit.saved_activations(network) as held:
+    with memory.saved_activations(network) as held:
         loss = forward()
     loss.backward()  # also the warm-up
     del loss

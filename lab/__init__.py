@@ -4,6 +4,7 @@ per concern; docs/architecture.md draws what flows between them.
     cli          errors as one line that names the remedy, argparse with such lines, progress on stderr
     tap          what a gradient hook hands to torch.distributed.all_reduce, read from the call
     experiment   the documented configuration, the window plan, the exact counts a configuration implies
+    memory       what a forward leaves held for its backward, what a rank holds between micro-batches
     precision    BF16 autocast or float32, chosen for the hardware
     pictures     the pictures, drawn with Pillow
     records      the run folder written all or nothing, the run's configuration, rows and results, read back
@@ -14,6 +15,7 @@ per concern; docs/architecture.md draws what flows between them.
     packed       the text task's corpus, split by document, packed rows, and the tokens of every window
     language     the text task's byte transformer, its per-token loss, evaluation, continuation and report
     audit        the instruments beside DDP: clock, counts, AuditedDDP, settings check, fingerprints, memory
+    sharded      FSDP2 beside DDP: the CNN under fully_shard, its collectives counted, its reduction made the mean
     launch       where a process runs, and every rank's agreement on options, device, precision and data
     resume       the run's state saved at epochs' and windows' ends, resumed bit for bit; SIGTERM as a stop
     witness      the profiler as the audit's second witness, and its check

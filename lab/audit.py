@@ -1,6 +1,6 @@
 """The audit's instruments, beside DDP in every rank: the collective clock and the running counts, AuditedDDP
-(DDP's own collectives that no hook sees), the check of DDP's settings, the ranks' step fingerprints, the
-saved-activation count and the epoch's trace of where syncs and steps happened. The counting hook itself is in
+(DDP's own collectives that no hook sees), the check of DDP's settings, the ranks' step fingerprints and the
+epoch's trace of where syncs and steps happened. The counting hook itself is in
 train.py, where the lesson is.
 """
 
@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lab.checklist import ChecklistTrace
 from lab.cli import LabError
 from lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
+from lab.memory import local
 
 
 def read_clock(device):
@@ -96,6 +97,11 @@ class CommAudit:
     witness_allreduces: int = 0  # lab.checklist's, one per optimizer step: the synced gradient against the mean
     wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (lab.checklist's tap)
     wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
+    all_gathers: int = 0  # FSDP's collectives (lab/sharded.py), read from the calls
+    all_gather_bytes: int = 0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: int = 0
+    awaiting_sync: bool = False  # FSDP: a training forward ran, its backward's first reduce-scatter is a sync
 
     def count_sync(self):
         """One synchronized backward ended (its last bucket's hook call); with it DDP's all-reduce of which
@@ -136,8 +142,9 @@ def fingerprint_weights(count, device):
 
 
 def fingerprint(tensors):
-    """[lane 1, lane 2, non-finite values] of the tensors, an int64 device tensor (no host read)."""
-    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors]).float()
+    """[lane 1, lane 2, non-finite values] of the tensors (each rank's own shard of FSDP's), an int64 device tensor
+    (no host read)."""
+    flat = torch.cat([local(tensor).detach().reshape(-1) for tensor in tensors]).float()
     bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     weights = fingerprint_weights(flat.numel(), flat.device)
     lanes = [(bits % prime * weight % prime).sum() % prime for prime, weight in zip(FINGERPRINT_PRIMES, weights)]
@@ -195,6 +202,9 @@ class AuditedDDP(DDP):
         its own BatchNorm statistics, and evaluation would mix the ranks' models (counted as DDP's are)."""
         self._distributed_broadcast_coalesced(list(self.module.buffers()), BROADCAST_BUCKET_BYTES, 0)
 
+    def full_state_dict(self):  # as lab.sharded's, which gathers its shards
+        return self.module.state_dict()
+
     def _pre_forward(self, *inputs, **kwargs):
         rebuilt_before = self._has_rebuilt_buckets
         result = super()._pre_forward(*inputs, **kwargs)
@@ -250,72 +260,6 @@ def check_ddp_settings(ddp_model, settings):
 
 
 @dataclass
-class SavedTensors:
-    """What a forward left held for its backward: activations, and (apart) autocast's low-precision copies of
-    the weights, each {storage address: bytes}."""
-
-    activations: dict = field(default_factory=dict)
-    weight_copies: dict = field(default_factory=dict)
-
-    @property
-    def activation_bytes(self):
-        return sum(self.activations.values())
-
-    @property
-    def weight_copy_bytes(self):
-        return sum(self.weight_copies.values())
-
-
-# Views autograd records between a weight's cast and the op that saves it (nn.Linear saves the cast weight
-# transposed).
-VIEW_NODES = {"TBackward0", "TransposeBackward0", "ViewBackward0", "PermuteBackward0"}
-
-
-def copies_a_parameter(tensor, parameters):
-    """Whether a saved tensor is autocast's cast of a parameter (or a view of one): made by a _to_copy whose
-    input is the parameter itself."""
-    node = tensor.grad_fn
-    while node is not None and node.name() in VIEW_NODES:
-        node = node.next_functions[0][0]
-    if node is None or node.name() != "ToCopyBackward0":
-        return False
-    source = node.next_functions[0][0]
-    return hasattr(source, "variable") and source.variable.untyped_storage().data_ptr() in parameters
-
-
-@contextmanager
-def saved_activations(model):
-    """Count the bytes that a forward run inside this context leaves held for its backward; yields a
-    SavedTensors to read afterwards.
-
-    Autograd packs every tensor it saves for the backward through saved_tensors_hooks: each distinct storage is
-    counted once, the model's parameters aside (they are held anyway), and autocast's BF16 copies of them apart
-    (they are weights in another dtype, not activations; without autocast there are none). Inside a
-    checkpointed stage the checkpoint's own hooks save nothing; the checkpoint holds the stage's input instead,
-    seen here by a forward pre-hook on the stage's first layer. Independent of the allocator: the same on every
-    device.
-    """
-    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
-    held = SavedTensors()
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kind = held.weight_copies if copies_a_parameter(tensor, parameters) else held.activations
-            kind[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    entries = [stage[0] for stage in model.stages()] if model.activation_checkpointing else []
-    handles = [entry.register_forward_pre_hook(lambda module, inputs: pack(inputs[0])) for entry in entries]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield held
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@dataclass
 class EpochTrace:
     """Where one rank's epoch synchronized and stepped, what each step did, and which samples the ranks read."""
 
@@ -326,6 +270,8 @@ class EpochTrace:
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
     checklist: ChecklistTrace = field(default_factory=ChecklistTrace)
     checklist_summary: dict = None  # the epoch's observations, read once at its end (Witness.end_epoch)
+    replicated: bool = True  # DDP's replicas; FSDP's shards (set by the witness) have no copies to compare
+    held_bytes: list = field(default_factory=lambda: [0, 0])  # most gradient, parameter bytes between micro-batches
     agreement: list = field(default_factory=list)  # per step, on the device: ranks_agree's five verdicts
     sample_shards: dict = field(default_factory=dict)  # shard_coverage's, once the epoch is over
 
@@ -344,10 +290,10 @@ class EpochTrace:
             ]
             if nonfinite and first_nonfinite is None:
                 first_nonfinite = {"optimizer_step": step, "in": nonfinite}
-            if differed and first_disagreement is None:
+            if differed and first_disagreement is None and self.replicated:
                 first_disagreement = {"optimizer_step": step, "differed": differed}
         return {
-            "steps_with_ranks_agreed": sum(all(verdict[:2]) for verdict in verdicts),
+            "steps_with_ranks_agreed": sum(all(verdict[:2]) for verdict in verdicts) if self.replicated else None,
             "first_rank_disagreement": first_disagreement,
             "first_nonfinite_step": first_nonfinite,
             "steps_that_changed_parameters": sum(bool(verdict[4]) for verdict in verdicts),

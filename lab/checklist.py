@@ -27,6 +27,7 @@ from torch.profiler import record_function
 
 from lab import experiment
 from lab.experiment import IGNORE_INDEX, runs_of
+from lab.memory import held_bytes, local
 from lab.scale import CROSS_ENTROPY, UNIT_ROUNDOFF, divisor_runs, loss_scale, recorded_divisor
 
 AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
@@ -84,6 +85,9 @@ class Witness:
     def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
         self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
+        # FSDP's (lab/sharded.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
+        self.unsharded = getattr(ddp_model, "unsharded_parameters", None)
+        self.whole = {}
         self.weights = projection_weights(self.parameters, device)
         self.slices, start = [], 0
         for parameter in self.parameters:
@@ -94,10 +98,13 @@ class Witness:
         # This backward's own gradients, copied as they arrive: DDP may later write the mean into the very tensor
         # a first backward's gradient became.
         self.own, self.own_arrived = torch.empty(start, dtype=torch.float64, device=device), set()
-        # Each parameter's slice of both, laid out as the parameter is (channels_last or not): its gradient is
-        # copied element for element by logical index, in memory order when the layouts agree.
+        # Each parameter's slice of both, laid out as the parameter is (channels_last or not; a shard's whole
+        # parameter contiguous): its gradient is copied element for element by logical index.
+        strides = [
+            torch.empty(p.shape, device="meta").stride() if p is not local(p) else p.stride() for p in self.parameters
+        ]
         self.flat_views, self.own_views = (
-            [buffer[part].as_strided(p.shape, p.stride()) for part, p in zip(self.slices, self.parameters)]
+            [buffer[part].as_strided(p.shape, stride) for part, p, stride in zip(self.slices, self.parameters, strides)]
             for buffer in (self.flat, self.own)
         )
         # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
@@ -109,15 +116,21 @@ class Witness:
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
-        self.window = torch.zeros(6 if self.counts_tokens else 5, dtype=torch.float64, device=device)
-        self.synced_observed = torch.zeros((), dtype=torch.float64, device=device)
+        # [F local, |local|_2, samples, forwards, syncs, F synced] (the text task: and tokens); a rank's shard of
+        # a synced gradient (FSDP's) weighs world_size, its copy (DDP's) one: the sum over ranks / world_size is
+        # the gradient's whole F either way.
+        self.window = torch.zeros(7 if self.counts_tokens else 6, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
         criterion.register_forward_hook(self.on_loss)
-        for index, parameter in enumerate(self.parameters):
-            parameter.register_hook(partial(self.on_parameter_gradient, index))
+        if self.unsharded is None:
+            self.hook(self.parameters)
         optimizer.register_step_pre_hook(self.on_step_begin)
         optimizer.register_step_post_hook(self.on_step_end)
+
+    def hook(self, tensors):
+        for index, tensor in enumerate(tensors):
+            tensor.register_hook(partial(self.on_parameter_gradient, index))
 
     # -- the epoch
 
@@ -125,6 +138,7 @@ class Witness:
         """Observe into this epoch's trace (a resumed epoch's holds what the earlier start saw; a new process
         starts with nothing expected of the gradients, as a resume comes at a window's end)."""
         self.epoch_trace, self.trace = epoch_trace, epoch_trace.checklist
+        epoch_trace.replicated = self.unsharded is None
         if self.trace.micro_batches == 0:
             self.trace.state_steps_before = self.state_steps()
 
@@ -162,6 +176,8 @@ class Witness:
             return
         self.close_backward()
         samples = inputs[0].shape[0]
+        held = held_bytes(self.parameters, self.whole)  # between micro-batches: what the window keeps
+        self.epoch_trace.held_bytes = [max(pair) for pair in zip(self.epoch_trace.held_bytes, held)]
         self.trace.micro_batches += 1
         self.trace.samples += samples
         self.awaiting_loss = samples  # the criterion's next call is on this forward's output
@@ -184,13 +200,17 @@ class Witness:
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
                 self.trace.micro_batch_tokens.append(tokens)
-                self.window[5] += tokens
+                self.window[6] += tokens
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
         """The backward's first event in the model: read the gradients' state, and the loss scale (loss_scale: the
         divisor read at the loss, and the gradient at the logits against the mean cross-entropy's, recomputed)."""
         index = self.trace.micro_batches - 1
+        if self.unsharded is not None and not self.whole:  # FSDP made its unsharded parameters in the first forward
+            made = self.unsharded()
+            self.whole = {id(p): made[id(p)] for p in self.parameters}
+            self.hook([made[id(p)] for p in self.parameters])
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
@@ -237,28 +257,43 @@ class Witness:
         return torch.stack([torch.dot(flat, self.weights), torch.dot(flat, flat)])
 
     def projections(self):
-        """[F, Q] of the gradients held now (a missing one is zero), and whether none is held at all."""
-        held = [(index, p.grad) for index, p in enumerate(self.parameters) if p.grad is not None]
-        if not held:
-            return torch.zeros(2, dtype=torch.float64, device=self.device), True
+        """[F, Q] of the gradients held now (a missing one is zero), whether none is held at all, and whether they
+        are this rank's shards of the synced gradient (FSDP's, placed where they lie in the whole; F is then this
+        rank's part of the sum) rather than whole gradients (DDP's, and FSDP's unsharded local ones)."""
+        held, shards = [], []
+        for index, p in enumerate(self.parameters):
+            whole = self.whole.get(id(p))
+            if whole is not None and whole.grad is not None:
+                held.append((index, whole.grad))
+            elif p.grad is not None:
+                (shards if p.grad is not local(p.grad) else held).append((index, p.grad))
+        if not held and not shards:
+            return torch.zeros(2, dtype=torch.float64, device=self.device), True, False
         if len(held) < len(self.slices):
             self.flat.zero_()
         for index, gradient in held:
             self.flat_views[index].copy_(gradient)
-        return self.project(self.flat), False
+        for index, gradient in shards:  # FSDP's rank r holds rows [r ceil(d / W), ...) of the first dimension
+            shard, rows, mesh = gradient.to_local(), gradient.shape[0], gradient.device_mesh
+            row = math.prod(gradient.shape[1:])
+            start = self.slices[index].start + mesh.get_local_rank() * math.ceil(rows / mesh.size()) * row
+            self.flat[start : start + shard.numel()].copy_(shard.reshape(-1))
+        return self.project(self.flat), False, bool(shards)
 
     def close_backward(self):
         """The backward under way has ended (the next event came): did it synchronize (the hook saw its last
         bucket), and what must the gradients hold now?"""
         if self.pending is None:
             return
-        index, before, syncs_before = self.pending
+        index, (before, sharded), syncs_before = self.pending
         self.pending = None
         for missing in set(range(len(self.slices))) - self.own_arrived:
             self.own[self.slices[missing]].zero_()
         own = self.project(self.own)
-        # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum.
-        local = torch.stack([before[0] + own[0], before[1].sqrt() + own[1].sqrt()])
+        # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum. A shard of
+        # the synced gradient held before weighs world_size (its sum over ranks is the whole).
+        weight = self.comm_audit.world_size if sharded else 1
+        local = torch.stack([before[0] * weight + own[0], before[1].sqrt() * weight + own[1].sqrt()])
         if self.comm_audit.gradient_syncs != syncs_before:
             self.epoch_trace.sync_positions.append(index)
             self.window[:2] += local
@@ -274,20 +309,20 @@ class Witness:
         """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
         it), or not what the last backward left (altered). Returns [F, Q] now."""
         self.close_backward()
-        now, none_held = self.projections()
+        now, none_held, sharded = self.projections()
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
         off = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.expectation is not None and self.expectation[0] == "local":
             _, expected, bound = self.expectation
             off = ~fresh & ((now[0] - expected).abs() > bound)
         elif self.expectation is not None and self.expectation[0] == "synced":
-            self.synced_observed += now[0]
+            self.window[5] += now[0] * (self.comm_audit.world_size if sharded else 1)
         self.trace.state_points.append((point, index))  # on the host: no copy to the device
         self.trace.gradient_states.append(torch.stack([fresh, off]))
         # From here on the gradients must stay as read (only a reset or a backward may change them): the same
         # values projected again give the same sum, within the float64 sum's own rounding.
         self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.dot_slack)
-        return now
+        return now, sharded
 
     def reduce_window(self):
         """One SUM all-reduce of the window's local projections, samples, forwards and syncs (counted as the
@@ -307,10 +342,9 @@ class Witness:
         bound = (SIGMAS * (world_size + 2) * unit + 3 * self.dot_slack) * summed[1] / world_size + SIGMAS * (
             world_size + 1
         ) * gap * math.sqrt(self.elements) * summed[4]
-        mean = summed[0] / world_size
-        self.trace.averages.append(torch.stack([self.synced_observed.clone(), mean, bound, *summed[2:4], *summed[5:]]))
+        mean, synced = summed[0] / world_size, summed[5] / world_size
+        self.trace.averages.append(torch.stack([synced, mean, bound, *summed[2:4], *summed[6:]]))
         self.window.zero_()
-        self.synced_observed.zero_()
         self.window_syncs = 0
 
 

@@ -1,8 +1,6 @@
-"""The facts verify.py checks, one function per artifact or per fact, each failing with one line that names the
-file and what is wrong (records.AuditError, exit 1): the run record and the pair's one configuration; each
-epoch row's counts, positions, the ranks' agreement and memory fields; the report against its own confusion
-matrix; the checkpoint and its BatchNorm counters; the pictures' run ids; the checksums. verify.py calls them
-in order.
+"""The facts verify.py checks, one function per artifact or fact, each failing with one line naming the file and
+what is wrong (records.AuditError): the run record and the pair's configuration; each epoch row's counts, positions,
+agreement and memory; the report, the checkpoint, the pictures' run ids, the checksums; verify.py calls them in order.
 """
 
 import itertools
@@ -10,7 +8,7 @@ import math
 
 from PIL import Image
 
-from lab import certify, experiment, resume
+from lab import certify, experiment, resume, sharded
 from lab.data import IMAGE_ERRORS
 from lab.precision import NUMERICS
 from lab.records import (
@@ -39,6 +37,7 @@ COUNT_LABELS = {
     "broadcast_bytes": "broadcast bytes",
     "rebuild_broadcast_collectives": "bucket-rebuild broadcast collectives",
     "used_map_allreduces": "used-parameter-map all-reduces",
+    **{name: name.replace("_", "-", 1).replace("_", " ") for name in experiment.FSDP_COUNTS},  # all-gather bytes
 }
 ROW_INTEGERS = ("epoch", *COUNT_LABELS)
 CONFIG_COUNTS = ("world_size", "batch_size", "accum_steps", "epochs", "train_size", "validation_size", "test_size")
@@ -145,7 +144,7 @@ def check_history(path, mode, record, expected_config, sizes):
         )
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
-        expected = experiment.expected_epoch_counts(expected_config, mode, number, sizes, starts)
+        expected = sharded.epoch_counts(record["config"])(expected_config, mode, number, sizes, starts)
         # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts). Steps
         # only where the plan has them, repeated or missing, are a wrong count; anywhere else, a wrong place.
         steps_in_place = steps_at_planned_places(row, plan)
@@ -154,7 +153,7 @@ def check_history(path, mode, record, expected_config, sizes):
         check_positions(path, number, row, plan, mode)
         if not steps_in_place:
             check_counts(path, number, row, {"optimizer_steps": expected.pop("optimizer_steps")}, mode)
-        check_steps(path, number, row)
+        check_steps(path, number, row, record["config"].get("strategy") == "fsdp")
         check_shards(path, number, row, record["config"])
         check_counts(path, number, row, expected, mode)
         observed = {**record["config"], **expected_config}
@@ -212,12 +211,15 @@ def check_finite(path, number, row):
         )
 
 
-def check_steps(path, number, row):
+def check_steps(path, number, row, sharded=False):
     """What every optimizer step did, from every rank's fingerprints (audit.ranks_agree): the same gradients
-    before it and the same parameters after it on every rank, and parameters it changed."""
+    before it and the same parameters after it on every rank (FSDP's ranks hold shards: none to compare), and
+    parameters it changed."""
     agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")
-    check(is_int(agreed), path, f"epoch row {number}: steps_with_ranks_agreed must be a whole number, got {agreed!r}")
-    if first is not None or agreed != row["optimizer_steps"]:
+    wanted = "null (shards: no copies to compare)" if sharded else "a whole number"
+    valid = agreed is None and first is None if sharded else is_int(agreed)
+    check(valid, path, f"epoch row {number}: steps_with_ranks_agreed must be {wanted}, got {agreed!r}")
+    if not sharded and (first is not None or agreed != row["optimizer_steps"]):
         check(
             isinstance(first, dict) and is_int(first.get("optimizer_step")) and isinstance(first.get("differed"), list),
             path,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from lab.cli import LabError
 
-MODES = ("every", "no_sync")
+MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (lab/sharded.py)
 TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (lab/packed.py, docs/packed.md)
 # How the text task divides a micro-batch's mean token loss before backward(): by the window's global token
 # count over its own (tokens: every token weighs the same), or by the window's length (micro-batch: the bias).
@@ -21,12 +21,11 @@ BUCKET_CAP_MB_LIMIT = 2**43
 # torch's generators take seeds from 0 to 2**64 - 1; a run seeds rank r with seed + r and its sampler's epoch e
 # with seed + e. (Negative seeds alias large ones modulo 2**64, two names for one run: refused too.)
 SEED_LIMIT = 2**64
-# DDP's gradient communication hooks train.py offers: its own averaging all-reduce, torch's BF16 and FP16
-# compressions (cast, all-reduce, cast back), with the bytes each element costs on the wire.
+# DDP's gradient hooks train.py offers: its averaging all-reduce, torch's BF16 and FP16 compressions (cast,
+# all-reduce, cast back), with the bytes each element costs on the wire.
 SENT_ELEMENT_BYTES = {"allreduce": 4, "bf16": 2, "fp16": 2}
 COMM_HOOKS = tuple(SENT_ELEMENT_BYTES)
-# DDP's settings and the gradient hook, as the documented experiment has them (train.py's defaults; the
-# audit derives its expected counts from a run's own).
+# DDP's settings and gradient hook as documented (train.py's defaults; the audit derives counts from a run's own).
 DDP_DEFAULTS = {
     "bucket_cap_mb": BUCKET_CAP_MB,
     "broadcast_buffers": True,
@@ -79,6 +78,7 @@ REBUILD_BROADCASTS = 2
 # all-reduce of the ranks' fingerprints after each step, the checklist's all-reduce of the ranks' local
 # gradient projections before each step, and DDP's broadcasts.
 COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "average-witness all-reduce", "broadcast")
+FSDP_COUNTS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes")  # DDP's: none
 # What the audit counts per rank and epoch (train.py's history rows; expected_epoch_counts gives each exactly).
 COUNTS = (
     "sync_bucket_calls",
@@ -89,6 +89,7 @@ COUNTS = (
     "rebuild_broadcast_collectives",
     "used_map_allreduces",
     "witness_allreduces",
+    *FSDP_COUNTS,
 )
 
 
@@ -258,6 +259,7 @@ class CommSizes:
     gradient_tensor_bytes: tuple
     buffer_bytes: int
     buffer_dtype_groups: int
+    fsdp_unit_numels: tuple = ()  # under --strategy fsdp: each unit's padded elements (sharded.unit_numels)
 
     @property
     def gradient_bytes(self):
@@ -414,4 +416,5 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         "used_map_allreduces": used_maps,
         # lab.checklist's SUM all-reduce of the ranks' local projections, one per optimizer step.
         "witness_allreduces": sum(m.step for m in plan),
+        **dict.fromkeys(FSDP_COUNTS, 0),
     }

@@ -215,6 +215,7 @@ def shared_settings(args):
         f"--{name.replace('_', '-')}": getattr(args, name)
         for name in (
             "mode",
+            "strategy",
             "epochs",
             "batch_size",
             "accum_steps",

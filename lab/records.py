@@ -255,6 +255,7 @@ def run_config(args, place, setup):
         "precision": setup.precision.name,
         "hardware": setup.hardware,
         **{setting: getattr(args, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
+        **({"strategy": args.strategy} if args.strategy != "ddp" else {}),  # recorded where not the document's
         "torch": torch.__version__,
         "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }
@@ -303,11 +304,12 @@ def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id,
         # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
         "saved_activation_bytes": trace.saved_activation_bytes,
         "peak_allocated_bytes": peak_bytes,
+        "held_bytes": dict(zip(("gradients", "parameters"), trace.held_bytes)),  # most between micro-batches
         "run_id": run_id,
     }
 
 
-def write_results(folder, args, config, confusion, majority, model, test_image, test_metrics, run_id, started_at):
+def write_results(folder, args, config, confusion, majority, weights, test_image, test_metrics, run_id, started_at):
     """Rank 0: report, checkpoint and pictures into the run's partial folder. Returns the report and the run
     record whose publish (RunFolder.publish) makes them the run."""
     matrix = confusion.tolist()
@@ -324,7 +326,7 @@ def write_results(folder, args, config, confusion, majority, model, test_image, 
         "config": config,
     }
     checkpoint = {
-        "model": model.state_dict(),
+        "model": weights,
         "classes": CLASSES,
         "seed": args.seed,
         "run_id": run_id,

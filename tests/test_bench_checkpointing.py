@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from conftest import assert_one_line_error, run_python
-from lab import audit
+from lab import memory
 from lab.precision import choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 
@@ -15,7 +15,7 @@ from model import MEMORY_FORMAT, CifarCNN
 def saved_bytes(batch_size, activation_checkpointing):
     network = CifarCNN(activation_checkpointing=activation_checkpointing).to(memory_format=MEMORY_FORMAT)
     inputs = torch.randn(batch_size, 3, 32, 32).contiguous(memory_format=MEMORY_FORMAT)
-    with audit.saved_activations(network) as held:
+    with memory.saved_activations(network) as held:
         with choose_precision("auto", torch.device("cpu")).autocast("cpu"):  # the benchmark's default
             nn.functional.cross_entropy(network(inputs), torch.zeros(batch_size, dtype=torch.long))
     return held.activation_bytes

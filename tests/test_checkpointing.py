@@ -28,7 +28,7 @@ from conftest import (
 from conftest import (
     train as train_run,
 )
-from lab import audit, experiment
+from lab import audit, experiment, memory
 from lab.precision import choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 
@@ -78,7 +78,7 @@ def test_checkpointed_training_equals_plain_training_bit_for_bit(deterministic):
     for step, window in enumerate(range(STEPS)):
         for inputs, targets in micro_batches(ACCUM, seed=window):
             for network in networks:
-                with audit.saved_activations(network) as saved:
+                with memory.saved_activations(network) as saved:
                     loss = forward_loss(network, inputs, targets)
                 held.append((network is checkpointed, saved.activation_bytes))
                 loss.backward()
@@ -123,7 +123,7 @@ def test_the_saved_bytes_are_the_autograd_graphs_saved_tensors(precision):
     CPUs without BF16 instructions.)"""
     network = CifarCNN().to(memory_format=MEMORY_FORMAT)
     inputs = torch.randn(2, 3, 8, 8).contiguous(memory_format=MEMORY_FORMAT)
-    with audit.saved_activations(network) as saved:
+    with memory.saved_activations(network) as saved:
         with choose_precision(precision, torch.device("cpu")).autocast("cpu"):
             # (undivided: a division by a number saves no tensor, but its graph node shows it as one)
             loss = nn.functional.cross_entropy(network(inputs), torch.tensor([1, 2]))

@@ -127,3 +127,35 @@ def test_under_bfloat16_autocast_the_comparison_still_catches_a_broken_accumulat
     variant = results["bfloat16_autocast"]["full_windows"][broken]
     assert not agrees(variant, BFLOAT16_AUTOCAST_FIRST_STEP_TOLERANCE, steps=1), variant
     assert variant["steps"] != variant["reference_steps"] or max(variant["grad_relative"][:1]) > 0.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp_float64_every_step_matches_the_plain_sum(results, mode):
+    """--strategy fsdp (lab/sharded.py) in both modes: one process's updates to rounding, every step."""
+    steps, syncs = CASES["full_windows"]
+    variant = results["float64"]["fsdp"][mode]
+    assert variant["steps"] == variant["reference_steps"] == steps
+    assert variant["gradient_syncs"] == syncs[mode]
+    assert agrees(variant, FLOAT64_TOLERANCE), variant
+
+
+def test_fsdp_equals_ddp_in_float32(results):
+    """no_sync: each rank sums its window in the same order under both strategies, then DDP halves and adds
+    (a / 2 + b / 2) where FSDP adds and halves ((a + b) / 2): with two ranks halving is exact, so the two are the
+    same bits. every: FSDP adds each micro-batch's mean to its sharded sum, DDP averages the running sums:
+    rounding apart, within the plain sum's own first-step tolerance."""
+    fsdp = results["float32"]["fsdp"]
+    assert fsdp["no_sync_vs_ddp"]["grad_relative"] == fsdp["no_sync_vs_ddp"]["param_relative"] == [0.0] * 3
+    assert fsdp["every_vs_ddp"]["gradient_syncs"] == 12 and agrees(
+        fsdp["every_vs_ddp"], FLOAT32_FIRST_STEP_TOLERANCE, 1
+    )
+    for mode in MODES:
+        assert agrees(fsdp[mode], FLOAT32_FIRST_STEP_TOLERANCE, steps=1), fsdp[mode]
+
+
+def test_fsdps_own_reduction_on_gloo_sums(results):
+    """torch 2.8's FSDP hands gloo's reduce-scatter ReduceOp.AVG for float32 gradients, and gloo sums
+    (pytorch/pytorch#162338): without the lab's correction every gradient is twice the mean (relative difference
+    1.0 from the reference), which AdamW barely notices; with it, the first update agrees (above)."""
+    uncorrected = results["float32"]["fsdp"]["broken_uncorrected_reduction"]
+    assert uncorrected["grad_relative"][0] == pytest.approx(1.0, abs=1e-5)

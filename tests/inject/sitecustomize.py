@@ -48,6 +48,9 @@ LAB_TEST_TEXT_LOSS: the text task's loss done wrong beneath the loop: "padding_i
   token losses over every position of the batch (padding and boundaries counted), "one_token_too_many" over its
   tokens plus one (a count off by one, within BF16's rounding at the logits), "first_target_dropped" has
   the rows reach the loss with each row's first target masked (the packing's counts no longer those trained).
+LAB_TEST_FSDP: FSDP2 beneath the lab's code: "uncorrected" makes set_force_sum_reduction_for_comms do nothing (FSDP
+  hands gloo ReduceOp.AVG, which torch 2.8's gloo sums); "sync_ignored" makes set_requires_gradient_sync do nothing
+  (every backward reduce-scatters, no_sync() or not).
 """
 
 import json
@@ -102,6 +105,12 @@ if os.environ.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
             yield inputs, targets
 
     packed.RowLoader.batches = batches_without_first_targets
+
+if os.environ.get("LAB_TEST_FSDP"):
+    from torch.distributed.fsdp import FSDPModule
+
+    ignored = {"uncorrected": "set_force_sum_reduction_for_comms", "sync_ignored": "set_requires_gradient_sync"}
+    setattr(FSDPModule, ignored[os.environ["LAB_TEST_FSDP"]], lambda self, *args, **kwargs: None)
 
 if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
     from torchvision.datasets import CIFAR10

@@ -30,7 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
-from lab import audit, cli, experiment  # noqa: E402
+from lab import audit, cli, experiment, sharded  # noqa: E402
 from lab.precision import choose_precision  # noqa: E402
 from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
 
@@ -86,6 +86,29 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
     gathered = [torch.empty_like(record["params"][-1]) for _ in range(world_size)]
     dist.all_gather(gathered, record["params"][-1])
     record["ranks_agree"] = all(torch.equal(gathered[0], other) for other in gathered[1:])
+    return record
+
+
+def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast, corrected=True):
+    """The lab's loop under --strategy fsdp (sharded.wrap_sharded); the whole gradients and parameters gathered at
+    each step. corrected=False: FSDP's own reduction (torch 2.8 on gloo: a sum), the lab's correction undone."""
+    model = CifarCNN().to(dtype)
+    model.load_state_dict(initial_state)
+    config = {"validation_size": world_size, "test_size": world_size, "batch_size": BATCH, "world_size": world_size}
+    fsdp_model, counted = sharded.wrap_sharded(model, CPU, world_size, None, config)
+    for module in fsdp_model.module.modules() if not corrected else ():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(False)
+    optimizer = new_optimizer(fsdp_model)
+    record = {"grads": [], "params": []}
+    whole = lambda tensors: torch.cat([t.full_tensor().reshape(-1) for t in tensors])  # noqa: E731
+    optimizer.register_step_pre_hook(lambda *_: record["grads"].append(whole(p.grad for p in model.parameters())))
+    optimizer.register_step_post_hook(lambda *_: record["params"].append(whole(p.detach() for p in model.parameters())))
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
+    progress = cli.Progress(enabled=False, interval=0)
+    train.train_epoch(fsdp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, autocast, progress)
+    record["gradient_syncs"], record["ranks_agree"] = counted.gradient_syncs, True  # one model, gathered
+    record["reduce_scatters"] = counted.reduce_scatters
     return record
 
 
@@ -239,6 +262,23 @@ def main():
                 if variant in experiment.MODES and name == "float32":  # the same mean, summed in the mode's order
                     same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
+    # FSDP (--strategy fsdp): both modes against the same reference; in float32 against DDP in the same mode, and
+    # FSDP's own reduction (the lab's correction undone).
+    for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        data = dataset(12, world_size, dtype, FLOAT_IMAGE_SIZE)
+        plan = experiment.window_plan(12, ACCUM, "error")
+        reference = reference_run(initial_state, data, world_size, dtype, "one_sum", nullcontext)
+        results[name]["fsdp"] = {
+            mode: compare(fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext), reference)
+            for mode in experiment.MODES
+        }
+        for mode in experiment.MODES if name == "float32" else ():
+            ddp = ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
+            fsdp = fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
+            results[name]["fsdp"][f"{mode}_vs_ddp"] = compare(fsdp, ddp)
+        if name == "float32":  # FSDP hands gloo ReduceOp.AVG for float32 and BF16 gradients (float64: SUM, divided)
+            uncorrected = fsdp_run(initial_state, data, plan, "no_sync", rank, world_size, dtype, nullcontext, False)
+            results[name]["fsdp"]["broken_uncorrected_reduction"] = compare(uncorrected, reference)
     # A short last micro-batch (half a batch): train.py's per-sample divisors (experiment.sample_plan) against one
     # process taking the window's mean per sample; the document's divisors (the window's length) are off.
     data = dataset(8, world_size, torch.float64, FLOAT_IMAGE_SIZE, short=BATCH // 2)

@@ -1,0 +1,260 @@
+"""FSDP2 beside DDP (train.py --strategy fsdp, docs/fsdp.md): the CNN under fully_shard, no_sync's sharded
+counterpart, FSDP's collectives counted from the calls themselves, its reduction made the mean, and the exact
+counts a configuration implies.
+
+    the units      each convolution its own unit (99.5 % of the parameters: one layer gathered at a time), the root
+                   holding BatchNorm's and the classifier's (3,850 parameters, kept gathered from its forward to
+                   its backward, as FSDP does for the root)
+    the layout     contiguous (NCHW) parameters and images: torch 2.8's fully_shard refuses channels_last ones
+    no_sync        set_requires_gradient_sync(False) around the window's first forwards and backwards: no
+                   reduce-scatter, each unit's gradient kept unsharded on every rank until the window's last one
+    the reduction  torch 2.8 hands ReduceOp.AVG to gloo's reduce-scatter, which sums (pytorch/pytorch#162338):
+                   every unit reduces with SUM and divides by the world size itself (set_force_sum_reduction_for_comms),
+                   and the checklist's average witness holds the result to the mean of the ranks' own gradients
+    the buffers    FSDP broadcasts none: evaluation and model.pt use rank 0's, broadcast once per evaluation, counted
+"""
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lab import audit, experiment
+from lab.cli import LabError
+
+# What --strategy fsdp has no counterpart for, refused by name: (option, its value under DDP's defaults, why).
+DDP_ONLY = (
+    ("comm_hook", "allreduce", "--comm-hook is DDP's gradient hook"),
+    (
+        "bucket_cap_mb",
+        experiment.BUCKET_CAP_MB,
+        "--bucket-cap-mb sizes DDP's buckets (FSDP reduces one unit at a time)",
+    ),
+    ("broadcast_buffers", True, "--no-broadcast-buffers is DDP's (FSDP never broadcasts buffers)"),
+    ("static_graph", False, "--static-graph is DDP's"),
+    ("find_unused_parameters", False, "--find-unused-parameters is DDP's"),
+    ("gradient_as_bucket_view", False, "--gradient-as-bucket-view is DDP's"),
+)
+NOT_YET = (
+    ("task", "cifar10", "--task text"),
+    ("resume", False, "--resume"),
+    ("checkpoint_every_windows", None, "--checkpoint-every-windows"),
+    ("profile_windows", None, "--profile-windows"),
+    ("activation_checkpointing", False, "--activation-checkpointing"),
+)
+
+
+def fsdp_in_range(parser, args):
+    """train.py's options that --strategy fsdp cannot take, refused at parse time with one line each."""
+    if args.strategy != "fsdp":
+        return args
+    for name, default, why in DDP_ONLY:
+        if getattr(args, name) != default:
+            parser.error(f"argument --strategy fsdp: {why}; drop it, or run --strategy ddp")
+    for name, default, option in NOT_YET:
+        if getattr(args, name) != default:
+            parser.error(f"argument --strategy fsdp: {option} runs under --strategy ddp only (docs/fsdp.md); drop it")
+    return args
+
+
+def units(model):
+    """The modules fully_shard makes units of, before the root: the convolutions."""
+    return [module for module in model.modules() if isinstance(module, nn.Conv2d)]
+
+
+def padded_numel(parameter, world_size):
+    """FSDP pads each parameter's first dimension to a multiple of the world size, one equal shard per rank."""
+    rows = parameter.shape[0]
+    return math.ceil(rows / world_size) * world_size * (parameter.numel() // rows)
+
+
+def unit_numels(model, world_size):
+    """The padded elements of each unit (the convolutions', then the root's: every parameter left)."""
+    inner = [sum(padded_numel(p, world_size) for p in unit.parameters()) for unit in units(model)]
+    in_units = {id(p) for unit in units(model) for p in unit.parameters()}
+    root = sum(padded_numel(p, world_size) for p in model.parameters() if id(p) not in in_units)
+    return (*inner, root)
+
+
+def eval_batches(size, batch_size, world_size):
+    """Each rank's evaluation batches (loaders.rank_share: every world_size-th sample), or None where the ranks'
+    counts differ (FSDP's all-gathers need every rank in every forward)."""
+    counts = {math.ceil(len(range(rank, size, world_size)) / batch_size) for rank in range(world_size)}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def check_split(config):
+    for name in ("validation_size", "test_size"):
+        if eval_batches(config[name], config["batch_size"], config["world_size"]) is None:
+            raise LabError(
+                f"--strategy fsdp: the {config[name]} {name.split('_')[0]} samples give the {config['world_size']} "
+                f"ranks unequal numbers of batches of {config['batch_size']}, and every rank must join each forward's "
+                f"all-gathers; choose --batch-size so that they are equal, or run --strategy ddp"
+            )
+
+
+def epoch_counts(config):
+    """The function that gives a run's exact counts per epoch, by its strategy."""
+    return expected_epoch_counts if config.get("strategy") == "fsdp" else experiment.expected_epoch_counts
+
+
+def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
+    """The exact per-rank counts of one epoch of an fsdp run (tests/test_sharded.py holds them to the calls).
+
+    U units, each pass begun sharded (ShardedModel.train and eval): a training forward gathers all U; its backward
+    gathers the U - 1 others again (resharded after the forward) and, where it synchronizes, reduce-scatters all
+    U. Validation gathers the root once (FSDP keeps the root gathered after a forward) and the others at every
+    batch. Rank 0's buffers are broadcast once, before validation.
+    """
+    world_size = config["world_size"]
+    numels = sizes.fsdp_unit_numels
+    shard_bytes = [numel // world_size * 4 for numel in numels]
+    plan = experiment.epoch_plan(config)
+    syncs = len(plan) if mode == "every" else sum(m.sync for m in plan)
+    validation = eval_batches(config["validation_size"], config["batch_size"], world_size)
+    all_gathers = len(plan) * (2 * len(numels) - 1) + (len(numels) - 1) * validation + 1
+    gathered = len(plan) * (2 * sum(shard_bytes) - shard_bytes[-1])
+    return {
+        "optimizer_steps": sum(m.step for m in plan),
+        "gradient_syncs": syncs,
+        "sync_bucket_calls": 0,
+        "allreduce_bytes": 0,
+        "buffer_broadcast_collectives": sizes.buffer_dtype_groups,
+        "broadcast_bytes": sizes.buffer_bytes,
+        "rebuild_broadcast_collectives": 0,
+        "used_map_allreduces": 0,
+        "witness_allreduces": sum(m.step for m in plan),
+        "all_gathers": all_gathers,
+        "all_gather_bytes": gathered + validation * sum(shard_bytes[:-1]) + shard_bytes[-1],
+        "reduce_scatters": syncs * len(numels),
+        "reduce_scatter_bytes": syncs * sum(numels) * 4,
+    }
+
+
+# ----------------------------------------------------------------------------- FSDP's collectives, counted
+
+
+class CollectiveCounter:
+    """FSDP's all-gathers and reduce-scatters, read from the calls themselves: FSDP calls
+    torch.distributed.all_gather_into_tensor and reduce_scatter_tensor through the package at call time, and
+    no hook of FSDP's sees them. Installed once per process; counts into the audit of the model being trained."""
+
+    def __init__(self):
+        self.comm_audit = None
+        self.all_gather, self.reduce_scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self.counted_all_gather, self.counted_reduce_scatter
+
+    def counted_all_gather(self, output_tensor, input_tensor, *args, **kwargs):
+        if self.comm_audit is not None:
+            self.comm_audit.all_gathers += 1
+            self.comm_audit.all_gather_bytes += input_tensor.numel() * input_tensor.element_size()
+        return self.all_gather(output_tensor, input_tensor, *args, **kwargs)
+
+    def counted_reduce_scatter(self, output, input, *args, **kwargs):
+        counted = self.comm_audit
+        if counted is not None:
+            # A backward synchronized at its first reduce-scatter (the checklist's witness reads the count).
+            if counted.awaiting_sync:
+                counted.awaiting_sync = False
+                counted.count_sync()
+            counted.reduce_scatters += 1
+            counted.reduce_scatter_bytes += input.numel() * input.element_size()
+            counted.wire_dtype = input.dtype
+        started = counted.clock.start() if counted else None  # timed as DDP's all-reduce is (the all-gathers not)
+        work = self.reduce_scatter(output, input, *args, **kwargs)
+        if counted is not None:
+            counted.clock.stop(started)
+        return work
+
+
+COUNTER = None
+
+
+# ----------------------------------------------------------------------------- the model under fully_shard
+
+
+class ShardedModel:
+    """What train.py asks of its DDP wrapper, for a model under fully_shard: its call, no_sync(), train/eval,
+    its parameters, rank 0's buffers broadcast on request, the audit, and the whole model gathered for model.pt."""
+
+    broadcast_buffers = False  # FSDP broadcasts none: train.evaluate broadcasts rank 0's, as for DDP without it
+
+    def __init__(self, module, comm_audit, group):
+        self.module, self.comm_audit, self.group = module, comm_audit, group
+
+    def __call__(self, inputs):
+        if self.module.training and torch.is_grad_enabled():
+            self.comm_audit.awaiting_sync = True
+        return self.module(inputs)
+
+    @contextmanager
+    def no_sync(self):
+        """FSDP's no_sync (its documented equivalent): no reduce-scatter in a backward run inside."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def train(self):
+        self.module.reshard()  # every pass starts sharded, the root too (a forward without backward keeps it)
+        self.module.train()
+
+    def eval(self):
+        self.module.reshard()
+        self.module.eval()
+
+    def broadcast_rank_0_buffers(self):
+        """One broadcast per dtype of every buffer (DDP's own coalescing), counted as AuditedDDP counts DDP's."""
+        buffers = list(self.module.buffers())
+        started = self.comm_audit.clock.start()
+        group = self.group or dist.distributed_c10d._get_default_group()
+        dist._broadcast_coalesced(group, buffers, experiment.BROADCAST_BUCKET_BYTES, 0)
+        self.comm_audit.clock.stop(started)
+        self.comm_audit.buffer_broadcast_collectives += len({buffer.dtype for buffer in buffers})
+        self.comm_audit.broadcast_bytes += sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+
+    def unsharded_parameters(self):
+        """{sharded parameter's id: the unsharded parameter the forward computes with}, once FSDP made them."""
+        found = {}
+        for module in self.module.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+            for fsdp_param in group.fsdp_params if group else ():
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    found[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+        return found
+
+    def full_state_dict(self):
+        """The whole model's state, gathered on every rank (a collective: every rank calls it), as plain tensors:
+        model.pt loads into the document's CifarCNN."""
+        return {
+            name: value.full_tensor() if isinstance(value, DTensor) else value
+            for name, value in self.module.state_dict().items()
+        }
+
+
+def wrap_sharded(model, device, world_size, group, config):
+    """The model under fully_shard (its units, then the root), no_sync's counterpart and the counted collectives."""
+    global COUNTER
+    check_split(config)
+    model = model.to(memory_format=torch.contiguous_format)
+    mesh = DeviceMesh.from_group(group or dist.distributed_c10d._get_default_group(), device.type)
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Each unit reduces with SUM and divides by the world size itself (tests/inject: LAB_TEST_FSDP_UNCORRECTED).
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    comm_audit = audit.CommAudit(world_size, group, clock=audit.CollectiveClock(device.type))
+    COUNTER = COUNTER or CollectiveCounter()
+    COUNTER.comm_audit = comm_audit
+    return ShardedModel(model, comm_audit, group), comm_audit

@@ -1,0 +1,93 @@
+"""--strategy fsdp (lab/sharded.py, docs/fsdp.md): FSDP2's shards under the same audit. The pair trained on the
+small image data passes verify.py with every collective's count derived from the units; FSDP's own reduction
+(torch 2.8's gloo sums) and a no_sync that does nothing, both broken beneath the lab's code, are refused; options
+FSDP has no counterpart for are refused in one line. tests/test_equivalence.py proves the updates."""
+
+import pytest
+import torch
+
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    copy_runs,
+    read_json,
+    run_python,
+    subprocess_env,
+    train,
+    verify,
+)
+from lab import experiment, sharded
+from model import CifarCNN
+
+FSDP = ["--strategy", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, image_data):
+    artifacts = tmp_path_factory.mktemp("fsdp") / "artifacts"
+    for mode in experiment.MODES:
+        assert_ok(train(image_data, artifacts / mode, mode, *FSDP, "--quiet"))
+    return artifacts
+
+
+def test_the_units_and_their_padded_sizes():
+    """Five convolutions, then the root's BatchNorm and classifier parameters (3,850); two ranks pad nothing."""
+    assert sharded.unit_numels(CifarCNN(), 2) == (1728, 36864, 73728, 147456, 294912, 3850)
+    assert sum(sharded.unit_numels(CifarCNN(), 2)) == sum(p.numel() for p in CifarCNN().parameters())
+    assert sharded.unit_numels(CifarCNN(), 3)[-1] > 3850  # the classifier's 10 rows padded to 12
+
+
+def test_the_fsdp_pair_passes_the_audit_with_derived_counts(fsdp_runs):
+    result = verify(fsdp_runs)
+    assert_ok(result)
+    assert "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x" in result.stdout
+    every, no_sync = (read_json(fsdp_runs / mode / "history.json") for mode in experiment.MODES)
+    # Per epoch and rank: 20 micro-batches of 11 all-gathers (6 units forward, 5 again backward), validation's
+    # 5 batches of 5 plus the root once; 6 reduce-scatters per synchronized backward: 20 (every) against 5.
+    for row in every + no_sync:
+        assert row["all_gathers"] == 20 * 11 + 5 * 5 + 1
+        assert row["sync_bucket_calls"] == row["allreduce_bytes"] == 0
+        assert row["steps_with_ranks_agreed"] is None  # shards: no copies to compare
+    assert [row["reduce_scatters"] for row in every] == [120, 120]
+    assert [row["reduce_scatters"] for row in no_sync] == [30, 30]
+    assert every[0]["reduce_scatter_bytes"] == 4 * no_sync[0]["reduce_scatter_bytes"] == 4 * 5 * 558_538 * 4
+    # Between micro-batches no_sync holds the window's whole gradients (unsharded), every only its shard of them.
+    assert no_sync[0]["held_bytes"]["gradients"] == 558_538 * 4
+    assert every[0]["held_bytes"]["gradients"] == 558_538 * 4 // 2
+
+
+def test_the_fsdp_checkpoint_is_a_plain_state_dict_for_infer(fsdp_runs):
+    checkpoint = torch.load(fsdp_runs / "no_sync" / "model.pt", weights_only=True)
+    model = CifarCNN()
+    model.load_state_dict(checkpoint["model"])  # plain tensors, the document's model
+    result = assert_ok(run_python("infer.py", "--checkpoint", fsdp_runs / "no_sync" / "model.pt",
+                                  "--image", fsdp_runs / "no_sync" / "sample_test.png"))  # fmt: skip
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "broken, mode, refusal",
+    [
+        ("uncorrected", "every", "is not the mean of the ranks' local ones"),
+        ("sync_ignored", "no_sync", "expected 5 gradient syncs, got 20"),
+    ],
+)
+def test_fsdp_broken_beneath_the_lab_is_refused(fsdp_runs, image_data, tmp_path, broken, mode, refusal):
+    artifacts = copy_runs(fsdp_runs, tmp_path / "artifacts")
+    assert_ok(train(image_data, artifacts / mode, mode, *FSDP, "--quiet", env=subprocess_env(LAB_TEST_FSDP=broken)))
+    result = verify(artifacts)
+    assert result.returncode == 1 and refusal in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        (["--comm-hook", "bf16"], "--comm-hook is DDP's gradient hook"),
+        (["--no-broadcast-buffers"], "--no-broadcast-buffers is DDP's"),
+        (["--task", "text"], "--task text runs under --strategy ddp only"),
+        (["--resume"], "--resume runs under --strategy ddp only"),
+    ],
+)
+def test_options_fsdp_cannot_take_are_refused_in_one_line(tmp_path, option, named):
+    result = run_python("train.py", "--mode", "every", "--output", tmp_path / "out", *FSDP, *option)
+    assert_one_line_error(result, named)
