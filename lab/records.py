@@ -1,6 +1,5 @@
 """The records of a run: the artifact names, the run folder written all or nothing (atomic writes, checksums,
-run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py.
-"""
+run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py."""
 
 import fcntl
 import hashlib
@@ -255,7 +254,7 @@ def run_config(args, place, setup):
         "precision": setup.precision.name,
         "hardware": setup.hardware,
         **{setting: getattr(args, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
-        **({"strategy": args.strategy} if args.strategy != "ddp" else {}),  # recorded where not the document's
+        **({"strategy": args.strategy} if args.strategy != "ddp" else {}),  # where not the document's
         "torch": torch.__version__,
         "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }
