@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_network.py                       # synthetic data, 4 link rates
     sudo .venv/bin/python benchmarks/bench_network.py --data-dir /tmp/cifar10-jpeg --rates 200,50
+    sudo .venv/bin/python benchmarks/bench_network.py --strategy fsdp        # FSDP2's modes (network-fsdp.json)
 
 Two machines emulated on one, without touching the machine's own network: the script re-runs itself in a
 network namespace of its own (unshare --net) whose loopback, brought up with an Ethernet-sized MTU, is the
@@ -39,9 +40,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from lab import cli, data, experiment, pictures, records  # noqa: E402
+from lab import cli, data, experiment, pictures, records, sharded  # noqa: E402
 from lab.precision import PRECISIONS  # noqa: E402
-from model import CLASSES  # noqa: E402
+from model import CLASSES, CifarCNN  # noqa: E402
 from tools import loopback, netns, synthetic_data  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,6 +99,7 @@ def parse_args():
         "--accum-steps", type=parse_accum_steps, default=[experiment.DOCUMENTED["accum_steps"]], help="e.g. 2,4,8"
     )
     parser.add_argument("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="as train.py's")
+    parser.add_argument("--strategy", choices=experiment.STRATEGIES, default="ddp", help="as train.py's")
     parser.add_argument(
         "--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)"
     )
@@ -107,7 +109,10 @@ def parse_args():
     )
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where network.json/.png go")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.strategy == "fsdp" and args.comm_hook != "allreduce":
+        parser.error("argument --comm-hook: DDP's gradient hook; --strategy fsdp reduce-scatters uncompressed")
+    return args
 
 
 # ----------------------------------------------------------------------------- inside the namespace: the runs
@@ -185,7 +190,8 @@ class Nodes:
 
 def mean_run(samples):
     """One mode at one rate: the mean times of its runs, whose counts must agree."""
-    counts = {(run["gradient_syncs"], run["optimizer_steps"], run["allreduce_bytes"]) for run in samples}
+    counted = ("gradient_syncs", "optimizer_steps", "allreduce_bytes", *experiment.FSDP_COUNTS)
+    counts = {tuple(run[key] for key in counted) for run in samples}
     if len(counts) != 1:
         raise cli.LabError(
             f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here"
@@ -193,9 +199,7 @@ def mean_run(samples):
     return {
         "epoch_seconds": sum(run["epoch_seconds"] for run in samples) / len(samples),
         "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
-        "gradient_syncs": samples[0]["gradient_syncs"],
-        "optimizer_steps": samples[0]["optimizer_steps"],
-        "allreduce_bytes": samples[0]["allreduce_bytes"],
+        **{key: samples[0][key] for key in counted},
         "samples": [{key: run[key] for key in ("epoch_seconds", "comm_seconds")} for run in samples],
     }
 
@@ -230,6 +234,7 @@ def measure(args, workspace, nodes):
                 nodes.run(
                     ["--mode", mode, "--output", output, "--data-dir", data_folders[accum], "--epochs", 1,
                      "--batch-size", batch, "--accum-steps", accum, "--comm-hook", args.comm_hook, "--device", "cpu",
+                     "--strategy", args.strategy,
                      "--precision", args.precision, "--quiet"],
                     logs=output.with_name(f"{output.name}-logs"),
                 )  # fmt: skip
@@ -243,7 +248,8 @@ def measure(args, workspace, nodes):
             runs = {mode: mean_run(runs) for mode, runs in samples.items()}
             rows.append({"rate_mbit": rate, "accum_steps": accum, "runs": runs})
     setup = {"train_images_per_optimizer_step": batch * world, "test_images": test_size, "batch_size": batch}
-    return rows, {**setup, "accum_steps": args.accum_steps, "comm_hook": args.comm_hook, "precision": chosen}
+    setup.update(accum_steps=args.accum_steps, comm_hook=args.comm_hook, strategy=args.strategy, precision=chosen)
+    return rows, setup
 
 
 # ----------------------------------------------------------------------------- the results
@@ -252,7 +258,7 @@ def measure(args, workspace, nodes):
 def draw(terms, table, accum):
     """The speedup against the rate at one A: measured, and the first-principles model's points and curve."""
     (compute, latency), table = terms, [row for row in table if row["accum_steps"] == accum]
-    wire_bits = table[0]["wire_bits_per_sync"]
+    wire_bits, gather_bits = table[0]["wire_bits_per_sync"], table[0]["gather_bits_per_micro_batch"]
     limited = sorted(row["rate_mbit"] for row in table if row["rate_mbit"] is not None)
     no_limit_x = math.log10(limited[-1]) + 0.5 if limited else 0
 
@@ -273,10 +279,12 @@ def draw(terms, table, accum):
         low, high = math.log10(limited[0]) - 0.3, math.log10(limited[-1]) + 0.3
         for index in range(61):
             x = low + (high - low) * index / 60
-            curve.append((x, predicted_speedup(compute, latency + wire_bits / 10**x / 1e6, accum)))
+            rate = 10**x * 1e6
+            curve.append((x, predicted_speedup(compute + gather_bits / rate, latency + wire_bits / rate, accum)))
     caption = (
         f"A = {accum}; c = {compute * 1e3:.0f} ms per micro-batch; s = {latency * 1e3:.0f} ms + "
         f"{wire_bits / 1e6:.1f} Mbit / R per sync (first principles); half-duplex tbf link"
+        + (f"; FSDP: g = {gather_bits / 1e6:.1f} Mbit / R gathered per micro-batch" if gather_bits else "")
     )
     return pictures.speedup_image(
         "no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption
@@ -301,9 +309,16 @@ def inside(args):
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    terms, table = analyse(rows)
+    # FSDP's all-gathers per micro-batch, from its units (lab/sharded.py); DDP gathers nothing.
+    world = experiment.DOCUMENTED["world_size"]
+    fsdp = args.strategy == "fsdp"
+    gathered = sharded.gathered_bytes(sharded.unit_numels(CifarCNN(), world), world) if fsdp else 0
+    terms, table = analyse(rows, gathered)
     fit = link_fit(table)
-    print(f"precision: {setup['precision']} (train.py --precision {args.precision}), --comm-hook {args.comm_hook}")
+    print(
+        f"precision: {setup['precision']} (train.py --precision {args.precision}), --comm-hook {args.comm_hook}, "
+        f"--strategy {args.strategy}"
+    )
     print_table(terms, table)
     print(
         f"fitted on the limited rates: {fit[1] / 1e6:.1f} Mbit per sync"
@@ -326,11 +341,12 @@ def inside(args):
         "runs": rows,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.out / "network.json", records.json_bytes(result))
+    name = "network-fsdp" if fsdp else "network"
+    records.write_atomic(args.out / f"{name}.json", records.json_bytes(result))
     documented = experiment.DOCUMENTED["accum_steps"]
     image, data = draw(terms, table, documented if documented in args.accum_steps else args.accum_steps[0])
-    records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
-    print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
+    records.write_atomic(args.out / f"{name}.png", records.png_bytes(image, {"data": json.dumps(data)}))
+    print(f"wrote {args.out / f'{name}.json'} and {args.out / f'{name}.png'}")
 
 
 def main():

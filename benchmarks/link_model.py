@@ -6,7 +6,10 @@ A window costs A(c + s) under `every` and Ac + s under `no_sync`: A = accum_step
 s = seconds per sync. From first principles, s = L + W / R, with c and the latency term L measured once on the
 runs without a link limit and W the bits one sync puts through the link: the audit's bytes per sync, sent by
 both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half in its
-all-gather), framed as TCP/IP over Ethernet.
+all-gather), framed as TCP/IP over Ethernet. Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter
+per unit (each of two ranks sends the half it does not keep: W = the bytes handed, once) and every micro-batch
+also all-gathers the units, in both modes: g = G / R more per micro-batch, G both ranks' shards (A(c + g + s)
+against A(c + g) + s; the gathers' unlimited cost is inside c).
 """
 
 import sys
@@ -43,18 +46,25 @@ def unlimited_terms(rows):
 
 
 def wire_bits_per_sync(runs):
-    """W: what one sync puts through the half-duplex link, from the audit's bytes: both ranks' buffers, framed."""
-    (bytes_per_sync,) = {run["allreduce_bytes"] // run["gradient_syncs"] for run in runs.values()}
-    return 2 * bytes_per_sync * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
+    """W: what one sync puts through the half-duplex link, from the audit's bytes: both ranks' all-reduced buffers,
+    or (FSDP) the reduce-scattered bytes one rank hands, each rank sending half; framed."""
+    (bytes_per_sync,) = {
+        (2 * run["allreduce_bytes"] + run.get("reduce_scatter_bytes", 0)) // run["gradient_syncs"]
+        for run in runs.values()
+    }
+    return bytes_per_sync * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
 
 
-def step_seconds(mode, compute, sync_seconds, accum):
-    """A window: A(c + s) under every, Ac + s under no_sync."""
-    return accum * (compute + sync_seconds) if mode == "every" else accum * compute + sync_seconds
+def step_seconds(mode, compute, sync_seconds, accum, gather_seconds=0.0):
+    """A window: A(c + g + s) under every, A(c + g) + s under no_sync (g: FSDP's all-gathers per micro-batch)."""
+    per_micro_batch = compute + gather_seconds
+    return accum * (per_micro_batch + sync_seconds) if mode == "every" else accum * per_micro_batch + sync_seconds
 
 
-def analyse(rows):
+def analyse(rows, gathered_bytes=0):
+    """The table, from the runs; gathered_bytes: what one rank hands to a micro-batch's all-gathers (FSDP)."""
     compute, latency = unlimited_terms(rows)
+    gather_bits = 2 * gathered_bytes * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE  # both ranks' shards
     table = []
     for row in rows:
         accum, runs = row["accum_steps"], row["runs"]
@@ -62,11 +72,13 @@ def analyse(rows):
             run["gradient_syncs"] for run in runs.values()
         )
         wire_bits = wire_bits_per_sync(runs)
-        link_seconds = latency + (0 if row["rate_mbit"] is None else wire_bits / (row["rate_mbit"] * 1e6))
+        rate = None if row["rate_mbit"] is None else row["rate_mbit"] * 1e6
+        link_seconds = latency + (0 if rate is None else wire_bits / rate)
+        gather_seconds = 0 if rate is None else gather_bits / rate
         step = {mode: run["epoch_seconds"] / run["optimizer_steps"] for mode, run in runs.items()}
-        first = {mode: step_seconds(mode, compute, link_seconds, accum) for mode in runs}
+        first = {mode: step_seconds(mode, compute, link_seconds, accum, gather_seconds) for mode in runs}
         measured = step["every"] / step["no_sync"]
-        predicted = predicted_speedup(compute, sync_seconds, accum)
+        predicted = predicted_speedup(compute + gather_seconds, sync_seconds, accum)
         table.append(
             {
                 "rate_mbit": row["rate_mbit"],
@@ -77,6 +89,7 @@ def analyse(rows):
                 "gradient_syncs": {mode: run["gradient_syncs"] for mode, run in runs.items()},
                 "optimizer_steps": {mode: run["optimizer_steps"] for mode, run in runs.items()},
                 "wire_bits_per_sync": wire_bits,
+                "gather_bits_per_micro_batch": gather_bits,
                 "first_principles": {
                     "seconds_per_sync": link_seconds,
                     "every_step_seconds": first["every"],

@@ -163,19 +163,16 @@ def check_history(path, mode, record, expected_config, sizes):
 
 
 def check_memory_fields(path, number, row, config):
-    saved, peak = row.get("saved_activation_bytes"), row.get("peak_allocated_bytes")
-    check(
-        is_int(saved) and saved > 0,
-        path,
-        f"epoch row {number}: saved_activation_bytes must be a positive whole number, got {saved!r}",
-    )
+    saved, peak, held = row.get("saved_activation_bytes"), row.get("peak_allocated_bytes"), row.get("held_bytes")
     on_cuda = config.get("device") == "cuda"
-    check(
-        is_int(peak) and peak > 0 if on_cuda else peak is None,
-        path,
-        f"epoch row {number}: peak_allocated_bytes must be "
-        f"{'a positive whole number on CUDA' if on_cuda else 'null on ' + str(config.get('device'))}, got {peak!r}",
-    )
+    peak_wanted = "a positive whole number on CUDA" if on_cuda else f"null on {config.get('device')}"
+    for valid, name, wanted, value in (
+        (is_int(saved) and saved > 0, "saved_activation_bytes", "a positive whole number", saved),
+        (is_int(peak) and peak > 0 if on_cuda else peak is None, "peak_allocated_bytes", peak_wanted, peak),
+        (isinstance(held, dict) and sorted(held) == ["gradients", "parameters"] and all(map(is_int, held.values())),
+         "held_bytes", "whole numbers of gradients and parameters", held),
+    ):  # fmt: skip
+        check(valid, path, f"epoch row {number}: {name} must be {wanted}, got {value!r}")
 
 
 def check_same_saved_activations(runs, artifacts):

@@ -81,6 +81,13 @@ def unit_numels(model, world_size):
     return (*inner, root)
 
 
+def gathered_bytes(numels, world_size):
+    """The bytes each rank hands to the all-gathers of one training micro-batch: every unit's shard in the forward,
+    all but the root's again in the backward."""
+    shard_bytes = [numel // world_size * 4 for numel in numels]
+    return 2 * sum(shard_bytes) - shard_bytes[-1]
+
+
 def eval_batches(size, batch_size, world_size):
     """Each rank's evaluation batches (loaders.rank_share: every world_size-th sample), or None where the ranks'
     counts differ (FSDP's all-gathers need every rank in every forward)."""
@@ -118,7 +125,7 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
     syncs = len(plan) if mode == "every" else sum(m.sync for m in plan)
     validation = eval_batches(config["validation_size"], config["batch_size"], world_size)
     all_gathers = len(plan) * (2 * len(numels) - 1) + (len(numels) - 1) * validation + 1
-    gathered = len(plan) * (2 * sum(shard_bytes) - shard_bytes[-1])
+    gathered = len(plan) * gathered_bytes(numels, world_size)
     return {
         "optimizer_steps": sum(m.step for m in plan),
         "gradient_syncs": syncs,

@@ -75,20 +75,43 @@ def print_tables(runs, config):
         + " | |"
     )
     print()
+    if config.get("strategy") == "fsdp":
+        print_fsdp_table(runs, epochs)
     checkpointing = "on" if config.get("activation_checkpointing") else "off"
     print("Memory per micro-batch (rank 0; activations held from the forward for the backward, saved_tensors_hooks):")
-    print("| mode | activation checkpointing | saved activations MB | peak allocated MB (CUDA, per epoch) |")
-    print("|---|---|---:|---:|")
+    print(
+        "| mode | activation checkpointing | saved activations MB | gradients held MB | parameters held MB "
+        "| peak allocated MB (CUDA, per epoch) |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
         peaks = [row["peak_allocated_bytes"] for row in history]
         peak = "/".join(f"{value / 1e6:.1f}" for value in peaks) if peaks[0] is not None else "n/a (CPU)"
-        print(f"| {mode} | {checkpointing} | {history[0]['saved_activation_bytes'] / 1e6:.2f} | {peak} |")
+        held = history[0]["held_bytes"]
+        print(
+            f"| {mode} | {checkpointing} | {history[0]['saved_activation_bytes'] / 1e6:.2f} | "
+            f"{held['gradients'] / 1e6:.2f} | {held['parameters'] / 1e6:.2f} | {peak} |"
+        )
     print()
     if config.get("task") == "text":
         print_text_tables(runs, config)
         return
     print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
     print("top confusions:", no_sync_report["top_confusions"])
+
+
+def print_fsdp_table(runs, epochs):
+    """FSDP's collectives (lab/sharded.py): the all-gathers both modes share, the reduce-scatters no_sync saves."""
+    print(f"FSDP's collectives per rank, totals over {epochs} epochs (training and validation):")
+    print("| mode | all-gathers | all-gathered MB | reduce-scatters | reduce-scattered MB |")
+    print("|---|---:|---:|---:|---:|")
+    keys = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes")
+    for mode, (history, _, _) in runs.items():
+        values = [total(history, key) for key in keys]
+        print(f"| {mode} | {values[0]} | {values[1] / 1e6:.1f} | {values[2]} | {values[3] / 1e6:.1f} |")
+    every, no_sync = runs["every"][0], runs["no_sync"][0]
+    print("| every / no_sync | " + " | ".join(ratio(total(every, key), total(no_sync, key)) for key in keys) + " |")
+    print()
 
 
 def print_text_tables(runs, config):

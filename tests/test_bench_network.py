@@ -53,6 +53,25 @@ def test_the_model_predicts_from_compute_and_sync_time():
     assert first["step_errors"]["every"] == pytest.approx(4 * (0.25 + sync) / 2.0 - 1)
 
 
+def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
+    """--strategy fsdp: a sync reduce-scatters (each of two ranks sends the half it does not keep: the bytes one
+    rank hands, once), and every micro-batch all-gathers both ranks' shards, in both modes."""
+    fsdp = {"allreduce_bytes": 0, "reduce_scatter_bytes": 8 * 1_000_000}
+    rows = [
+        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": {**history_row(2.08, 0.08, 8, 2), **fsdp}, "no_sync": {**history_row(2.02, 0.02, 2, 2), **fsdp, "reduce_scatter_bytes": 2 * 1_000_000}}},
+        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": {**history_row(4.0, 2.0, 8, 2), **fsdp}, "no_sync": {**history_row(2.5, 0.5, 2, 2), **fsdp, "reduce_scatter_bytes": 2 * 1_000_000}}},
+    ]  # fmt: skip
+    _, table = link_model.analyse(rows, gathered_bytes=500_000)
+    framing = (1514 + 33) / 1448
+    slow = table[1]
+    assert slow["wire_bits_per_sync"] == pytest.approx(1_000_000 * 8 * framing)
+    assert slow["gather_bits_per_micro_batch"] == pytest.approx(2 * 500_000 * 8 * framing)
+    sync, gather = 0.01 + 8e6 * framing / 50e6, 8e6 * framing / 50e6
+    first = slow["first_principles"]
+    assert first["every_step_seconds"] == pytest.approx(4 * (0.25 + gather + sync))
+    assert first["no_sync_step_seconds"] == pytest.approx(4 * (0.25 + gather) + sync)
+
+
 def test_a_node_that_writes_much_cannot_stall_the_other(tmp_path, monkeypatch):
     """Node 1 writes 1 MB (a pipe holds 64 KB) and node 0 waits for node 1 to end, as nodes wait for each other
     in a collective: with the launchers' output in files, neither waits on the benchmark to read it."""
