@@ -230,7 +230,7 @@ def check_rank(path, number, who, seen, row, config, plan):
         check(isinstance(off, dict), path, f"epoch row {number}: first_average_off must be an object, got {off!r}")
         refuse(path, number, at(f"optimizer step {off.get('optimizer_step')}"), f"the synchronized gradient's "
                f"projection {off.get('synced')!r} is not the mean of the ranks' local ones {off.get('mean_of_ranks')!r} "
-               f"(bound {off.get('bound')!r}): the all-reduce did not average", 6)  # fmt: skip
+               f"(bound {off.get('bound')!r}): the reduction (all-reduce, or FSDP's reduce-scatter) did not average", 6)  # fmt: skip
     if seen["averages_checked"] != row["optimizer_steps"]:
         refuse(path, number, at(""), f"{seen['averages_checked']} averages checked for {row['optimizer_steps']} "
                "steps", 6)  # fmt: skip

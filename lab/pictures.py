@@ -234,17 +234,19 @@ def line_panels(title, panels):
 
 
 def bar_panels(title, panels, columns=2):
-    """Panels of grouped bars per epoch, one bar per mode, from zero. panels: [{"title", "y_label",
-    "bars": {mode: [value per epoch]}}]. Returns (image, data with each bar's pixel box)."""
+    """Panels of grouped bars per epoch (or per named group: "groups", "x_label"), one bar per mode, from zero.
+    panels: [{"title", "y_label", "bars": {mode: [value per epoch]}}]. Returns (image, data with each bar's box)."""
     image, draw, boxes = titled_canvas(title, columns, math.ceil(len(panels) / columns))
     data = []
     for panel, box in zip(panels, boxes):
         modes = list(panel["bars"])
         epochs = max(len(values) for values in panel["bars"].values())
         top_value = max(max(values) for values in panel["bars"].values())
+        groups = list(enumerate(panel["groups"], start=1)) if "groups" in panel else None  # named, not epochs
         axes = Axes(
-            image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"], "epoch", panel["y_label"]
-        )
+            image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"],
+            panel.get("x_label", "epoch"), panel["y_label"], groups,
+        )  # fmt: skip
         bar_width = (axes.x(1) - axes.x(0)) * 0.8 / len(modes)
         drawn = {}
         for index, mode in enumerate(modes):

@@ -279,6 +279,9 @@ def main():
         if name == "float32":  # FSDP hands gloo ReduceOp.AVG for float32 and BF16 gradients (float64: SUM, divided)
             uncorrected = fsdp_run(initial_state, data, plan, "no_sync", rank, world_size, dtype, nullcontext, False)
             results[name]["fsdp"]["broken_uncorrected_reduction"] = compare(uncorrected, reference)
+            ones, output = torch.ones(world_size), torch.empty(1)
+            dist.reduce_scatter_tensor(output, ones, op=dist.ReduceOp.AVG)  # what this torch's gloo does with AVG
+            results[name]["fsdp"]["gloo_average"] = "mean" if output.item() == 1 else "sum"
     # A short last micro-batch (half a batch): train.py's per-sample divisors (experiment.sample_plan) against one
     # process taking the window's mean per sample; the document's divisors (the window's length) are off.
     data = dataset(8, world_size, torch.float64, FLOAT_IMAGE_SIZE, short=BATCH // 2)
