@@ -15,6 +15,7 @@ counts a configuration implies.
 """
 
 import math
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -146,37 +147,55 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
 # ----------------------------------------------------------------------------- FSDP's collectives, counted
 
 
+# FSDP2's entry points into torch.distributed, by kind: torch 2.8 calls the first of each, newer ones the second.
+ENTRY_POINTS = {
+    "all_gather": ("all_gather_into_tensor", "all_gather_single"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single"),
+}
+
+
 class CollectiveCounter:
-    """FSDP's all-gathers and reduce-scatters, read from the calls themselves: FSDP calls
-    torch.distributed.all_gather_into_tensor and reduce_scatter_tensor through the package at call time, and
-    no hook of FSDP's sees them. Installed once per process; counts into the audit of the model being trained."""
+    """FSDP's all-gathers and reduce-scatters, read from the calls themselves: FSDP calls torch.distributed's
+    collectives through the package at call time, and no hook of FSDP's sees them. Installed once per process;
+    counts into the audit of the model being trained; a call made inside another counted one is not counted again."""
 
     def __init__(self):
-        self.comm_audit = None
-        self.all_gather, self.reduce_scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self.counted_all_gather, self.counted_reduce_scatter
+        self.comm_audit, self.depth = None, threading.local()
+        for kind, names in ENTRY_POINTS.items():
+            for name in names:
+                if hasattr(dist, name):
+                    setattr(dist, name, self.counted(kind, getattr(dist, name)))
 
-    def counted_all_gather(self, output_tensor, input_tensor, *args, **kwargs):
-        if self.comm_audit is not None:
-            self.comm_audit.all_gathers += 1
-            self.comm_audit.all_gather_bytes += input_tensor.numel() * input_tensor.element_size()
-        return self.all_gather(output_tensor, input_tensor, *args, **kwargs)
+    def counted(self, kind, collective):
+        def call(*args, **kwargs):
+            audit = self.comm_audit if getattr(self.depth, "value", 0) == 0 else None
+            handed = kwargs.get("input_tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
+            if audit is not None:
+                self.count(audit, kind, handed)
+            started = audit.clock.start() if audit is not None and kind == "reduce_scatter" else None
+            self.depth.value = getattr(self.depth, "value", 0) + 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                self.depth.value -= 1
+                if started is not None:  # timed as DDP's all-reduce is (the all-gathers are not)
+                    audit.clock.stop(started)
 
-    def counted_reduce_scatter(self, output, input, *args, **kwargs):
-        counted = self.comm_audit
-        if counted is not None:
-            # A backward synchronized at its first reduce-scatter (the checklist's witness reads the count).
-            if counted.awaiting_sync:
-                counted.awaiting_sync = False
-                counted.count_sync()
-            counted.reduce_scatters += 1
-            counted.reduce_scatter_bytes += input.numel() * input.element_size()
-            counted.wire_dtype = input.dtype
-        started = counted.clock.start() if counted else None  # timed as DDP's all-reduce is (the all-gathers not)
-        work = self.reduce_scatter(output, input, *args, **kwargs)
-        if counted is not None:
-            counted.clock.stop(started)
-        return work
+        return call
+
+    @staticmethod
+    def count(audit, kind, handed):
+        size = handed.numel() * handed.element_size()
+        if kind == "all_gather":
+            audit.all_gathers += 1
+            audit.all_gather_bytes += size
+            return
+        if audit.awaiting_sync:  # a backward synchronized at its first reduce-scatter (the witness reads it)
+            audit.awaiting_sync = False
+            audit.count_sync()
+        audit.reduce_scatters += 1
+        audit.reduce_scatter_bytes += size
+        audit.wire_dtype = handed.dtype
 
 
 COUNTER = None

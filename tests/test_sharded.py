@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import (
+    TIMING,
     WORKERS,
     assert_ok,
     assert_one_line_error,
@@ -20,6 +21,7 @@ from conftest import (
 )
 from lab import experiment, sharded
 from model import CifarCNN
+from test_nodes import node_folders, same_run, two_nodes
 
 FSDP = ["--strategy", "fsdp"]
 
@@ -103,3 +105,21 @@ def test_a_no_sync_that_does_nothing_is_refused(fsdp_runs, image_data, tmp_path)
 def test_options_fsdp_cannot_take_are_refused_in_one_line(tmp_path, option, named):
     result = run_python("train.py", "--mode", "every", "--output", tmp_path / "out", *FSDP, *option)
     assert_one_line_error(result, named)
+
+
+def test_fsdp_as_two_nodes_computes_exactly_what_one_node_computes(fsdp_runs, tmp_path, image_data):
+    """Two torchrun nodes of one process each (the device mesh is the training group): the same rows, bit for
+    bit but the clocks, and the same weights."""
+    folders = node_folders(tmp_path, image_data)
+    results, _ = two_nodes(folders, *same_run("no_sync", FSDP))
+    for result in results:
+        assert_ok(result)
+    one, two = (read_json(folder / "no_sync" / "history.json") for folder in (fsdp_runs, folders[0] / "artifacts"))
+    assert [{k: v for k, v in row.items() if k not in TIMING} for row in two] == [
+        {k: v for k, v in row.items() if k not in TIMING} for row in one
+    ]
+    weights = [
+        torch.load(folder / "no_sync" / "model.pt", weights_only=True)["model"]
+        for folder in (fsdp_runs, folders[0] / "artifacts")
+    ]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
