@@ -13,6 +13,7 @@ from conftest import (
     assert_one_line_error,
     copy_runs,
     read_json,
+    run_in_process,
     run_python,
     subprocess_env,
     torchrun,
@@ -102,8 +103,9 @@ def test_a_no_sync_that_does_nothing_is_refused(fsdp_runs, image_data, tmp_path)
         (["--resume"], "--resume runs under --strategy ddp only"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # train.py's @record, run in this process
 def test_options_fsdp_cannot_take_are_refused_in_one_line(tmp_path, option, named):
-    result = run_python("train.py", "--mode", "every", "--output", tmp_path / "out", *FSDP, *option)
+    result = run_in_process("train.py", "--mode", "every", "--output", tmp_path / "out", *FSDP, *option)
     assert_one_line_error(result, named)
 
 
