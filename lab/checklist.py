@@ -273,12 +273,18 @@ class Witness:
             self.flat.zero_()
         for index, gradient in held:
             self.flat_views[index].copy_(gradient)
+        if not shards:
+            return self.project(self.flat), False, False
+        whole = self.project(self.flat) if held else torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.flat.zero_()
         for index, gradient in shards:  # FSDP's rank r holds rows [r ceil(d / W), ...) of the first dimension
             shard, rows, mesh = gradient.to_local(), gradient.shape[0], gradient.device_mesh
             row = math.prod(gradient.shape[1:])
             start = self.slices[index].start + mesh.get_local_rank() * math.ceil(rows / mesh.size()) * row
             self.flat[start : start + shard.numel()].copy_(shard.reshape(-1))
-        return self.project(self.flat), False, bool(shards)
+        # A shard's F is this rank's part of the whole's: weighed world_size (the sum over ranks / W is the whole's).
+        parts = self.project(self.flat)
+        return torch.stack([whole[0] + parts[0] * self.comm_audit.world_size, whole[1] + parts[1]]), False, True
 
     def close_backward(self):
         """The backward under way has ended (the next event came): did it synchronize (the hook saw its last
@@ -292,8 +298,8 @@ class Witness:
         own = self.project(self.own)
         # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum. A shard of
         # the synced gradient held before weighs world_size (its sum over ranks is the whole).
-        weight = self.comm_audit.world_size if sharded else 1
-        local = torch.stack([before[0] * weight + own[0], before[1].sqrt() * weight + own[1].sqrt()])
+        weight = self.comm_audit.world_size if sharded else 1  # a shard's F comes weighed; its norm part not yet
+        local = torch.stack([before[0] + own[0], before[1].sqrt() * weight + own[1].sqrt()])
         if self.comm_audit.gradient_syncs != syncs_before:
             self.epoch_trace.sync_positions.append(index)
             self.window[:2] += local
@@ -316,12 +322,13 @@ class Witness:
             _, expected, bound = self.expectation
             off = ~fresh & ((now[0] - expected).abs() > bound)
         elif self.expectation is not None and self.expectation[0] == "synced":
-            self.window[5] += now[0] * (self.comm_audit.world_size if sharded else 1)
+            self.window[5] += now[0]
         self.trace.state_points.append((point, index))  # on the host: no copy to the device
         self.trace.gradient_states.append(torch.stack([fresh, off]))
         # From here on the gradients must stay as read (only a reset or a backward may change them): the same
         # values projected again give the same sum, within the float64 sum's own rounding.
-        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.dot_slack)
+        weight = self.comm_audit.world_size if sharded else 1
+        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.dot_slack * weight)
         return now, sharded
 
     def reduce_window(self):

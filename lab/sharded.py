@@ -12,6 +12,8 @@ counts a configuration implies.
                    every unit reduces with SUM and divides by the world size itself (set_force_sum_reduction_for_comms),
                    and the checklist's average witness holds the result to the mean of the ranks' own gradients
     the buffers    FSDP broadcasts none: evaluation and model.pt use rank 0's, broadcast once per evaluation, counted
+    the start      rank 0's weights and buffers broadcast before fully_shard, as DDP's constructor does (not counted:
+                   nor is DDP's)
 """
 
 import math
@@ -272,7 +274,11 @@ def wrap_sharded(model, device, world_size, group, config):
     global COUNTER
     check_split(config)
     model = model.to(memory_format=torch.contiguous_format)
-    mesh = DeviceMesh.from_group(group or dist.distributed_c10d._get_default_group(), device.type)
+    process_group = group or dist.distributed_c10d._get_default_group()
+    # Every rank starts from rank 0's weights, as DDP's constructor makes it: each rank drew its own (seed + rank),
+    # and fully_shard would keep each rank's slice of its own draw, a mix that no seed names.
+    dist._broadcast_coalesced(process_group, list(model.state_dict().values()), experiment.BROADCAST_BUCKET_BYTES, 0)
+    mesh = DeviceMesh.from_group(process_group, device.type)
     for unit in units(model):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)

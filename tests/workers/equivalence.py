@@ -91,9 +91,14 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
 
 def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast, corrected=True):
     """The lab's loop under --strategy fsdp (sharded.wrap_sharded); the whole gradients and parameters gathered at
-    each step. corrected=False: FSDP's own reduction (torch 2.8 on gloo: a sum), the lab's correction undone."""
-    model = CifarCNN().to(dtype)
-    model.load_state_dict(initial_state)
+    each step. Each rank draws its own initial weights (as train.py seeds seed + rank), rank 0 the reference's:
+    wrap_sharded must start every rank from rank 0's. corrected=False: FSDP's own reduction, the lab's correction
+    undone."""
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED + 1 + rank)
+        model = CifarCNN().to(dtype)
+    if rank == 0:
+        model.load_state_dict(initial_state)
     config = {"validation_size": world_size, "test_size": world_size, "batch_size": BATCH, "world_size": world_size}
     fsdp_model, counted = sharded.wrap_sharded(model, CPU, world_size, None, config)
     for module in fsdp_model.module.modules() if not corrected else ():
