@@ -7,9 +7,10 @@ s = seconds per sync. From first principles, s = L + W / R, with c and the laten
 runs without a link limit and W the bits one sync puts through the link: the audit's bytes per sync, sent by
 both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half in its
 all-gather), framed as TCP/IP over Ethernet. Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter
-per unit (each of two ranks sends the half it does not keep: W = the bytes handed, once) and every micro-batch
-also all-gathers the units, in both modes: g = G / R more per micro-batch, G both ranks' shards (A(c + g + s)
-against A(c + g) + s; the gathers' unlimited cost is inside c).
+per unit, which gloo runs as an all-reduce of the whole padded gradient (the profiler's gloo:all_reduce events):
+W = both ranks' handed bytes, as DDP's; and every micro-batch also all-gathers the units, in both modes:
+g = G / R more per micro-batch, G both ranks' shards (A(c + g + s) against A(c + g) + s; the gathers' unlimited
+cost is inside c).
 """
 
 import sys
@@ -46,13 +47,12 @@ def unlimited_terms(rows):
 
 
 def wire_bits_per_sync(runs):
-    """W: what one sync puts through the half-duplex link, from the audit's bytes: both ranks' all-reduced buffers,
-    or (FSDP) the reduce-scattered bytes one rank hands, each rank sending half; framed."""
+    """W: what one sync puts through the half-duplex link, from the audit's bytes: both ranks' all-reduced buffers
+    (FSDP's reduce-scatter runs as an all-reduce on gloo), framed."""
     (bytes_per_sync,) = {
-        (2 * run["allreduce_bytes"] + run.get("reduce_scatter_bytes", 0)) // run["gradient_syncs"]
-        for run in runs.values()
+        (run["allreduce_bytes"] + run.get("reduce_scatter_bytes", 0)) // run["gradient_syncs"] for run in runs.values()
     }
-    return bytes_per_sync * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
+    return 2 * bytes_per_sync * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
 
 
 def step_seconds(mode, compute, sync_seconds, accum, gather_seconds=0.0):

@@ -74,10 +74,10 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for bu
 # the bucket indices and the bucket sizes, two collectives (tests/test_comm_audit.py checks them against the
 # profiler's c10d::broadcast_ events).
 REBUILD_BROADCASTS = 2
-# The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's own
-# all-reduce of the ranks' fingerprints after each step, the checklist's all-reduce of the ranks' local
-# gradient projections before each step, and DDP's broadcasts.
-COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "average-witness all-reduce", "broadcast")
+# The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's all-reduce of
+# the ranks' fingerprints after each step, the checklist's of the local projections before it, the broadcasts, FSDP's.
+COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "average-witness all-reduce", "broadcast",
+                    "all-gather", "reduce-scatter")  # fmt: skip
 FSDP_COUNTS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes")  # DDP's: none
 # What the audit counts per rank and epoch (train.py's history rows; expected_epoch_counts gives each exactly).
 COUNTS = (

@@ -305,7 +305,12 @@ def speedup_image(title, points, curve, ceiling, caption):
 
 
 COMPUTE_SHADES = ((176, 196, 222), (135, 160, 196))  # alternate micro-batches, so each one's edges show
-COLLECTIVE_COLOURS = dict(zip(COLLECTIVE_KINDS, ((214, 39, 40), (148, 103, 189), (255, 127, 14), (44, 160, 44))))
+COLLECTIVE_COLOURS = dict(
+    zip(
+        COLLECTIVE_KINDS,
+        ((214, 39, 40), (148, 103, 189), (255, 127, 14), (44, 160, 44), (127, 127, 127), (140, 86, 75)),
+    )
+)
 
 
 def timeline_image(title, panels, caption):

@@ -47,7 +47,6 @@ NOT_YET = (
     ("task", "cifar10", "--task text"),
     ("resume", False, "--resume"),
     ("checkpoint_every_windows", None, "--checkpoint-every-windows"),
-    ("profile_windows", None, "--profile-windows"),
     ("activation_checkpointing", False, "--activation-checkpointing"),
 )
 

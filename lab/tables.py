@@ -155,12 +155,15 @@ def print_witness(runs):
         return
     print()
     print("The profiler as witness, epoch 1's recorded micro-batches, per rank (seconds: the profiler's executions")
-    print("of the gradient all-reduces and broadcasts, the audit's comm_seconds for the same micro-batches):")
+    print(
+        "of the gradient all-reduces, broadcasts and reduce-scatters, the audit's comm_seconds for the same micro-batches):"
+    )
     print(
         "| mode | micro-batches | rank | c10d::allreduce_ (profiler) | hook calls + 2 x steps (audit) | c10d::broadcast_ "
-        "(profiler) | broadcast collectives (audit) | collective s (profiler) | comm s (audit) | compute s per micro-batch |"
+        "(profiler) | broadcast collectives (audit) | FSDP's all-gathers, reduce-scatters (profiler) | (audit) "
+        "| collective s (profiler) | comm s (audit) | compute s per micro-batch |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, profile in profiled.items():
         first, stop = profile["micro_batches"]
         steps = profile["windows"]
@@ -170,7 +173,10 @@ def print_witness(runs):
                 f"| {mode} | {first}-{stop - 1} | {summary['rank']} | {calls['c10d::allreduce_']} | "
                 f"{audit['sync_bucket_calls']} + 2 x {steps} | {calls['c10d::broadcast_']} | "
                 f"{audit['buffer_broadcast_collectives'] + audit['rebuild_broadcast_collectives']} | "
-                f"{seconds['gradient all-reduce'] + seconds['broadcast']:.4f} | {audit['comm_seconds']:.4f} | "
+                f"{calls['c10d::_allgather_base_']}, {calls['c10d::_reduce_scatter_base_']} | "
+                f"{audit['all_gathers']}, {audit['reduce_scatters']} | "
+                f"{seconds['gradient all-reduce'] + seconds['broadcast'] + seconds['reduce-scatter']:.4f} | "
+                f"{audit['comm_seconds']:.4f} | "
                 f"{summary['compute_seconds_per_micro_batch']:.4f} |"
             )
 

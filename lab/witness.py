@@ -103,12 +103,18 @@ LABELLED_KINDS = {
     RANK_AGREEMENT_LABEL: "rank-agreement all-reduce",
     AVERAGE_WITNESS_LABEL: "average-witness all-reduce",
 }
-# Each c10d call the lab makes in training and the events that execute it: gloo's on CPU, NCCL's kernels
-# (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU.
+# Each c10d call the lab makes in training (FSDP's too), its kind, and the events that execute it: gloo's on CPU,
+# NCCL's kernels (named ncclDevKernel_AllReduce_..., ..._Broadcast_...) on GPU. gloo runs a reduce-scatter as an
+# all-reduce: one kind of execution for two kinds of call, paired in the order they were called.
 COLLECTIVE_EVENTS = {
-    "c10d::allreduce_": ("gloo:all_reduce", "AllReduce"),
-    "c10d::broadcast_": ("gloo:broadcast", "Broadcast"),
+    "c10d::allreduce_": ("gradient all-reduce", "gloo:all_reduce", "AllReduce"),
+    "c10d::broadcast_": ("broadcast", "gloo:broadcast", "Broadcast"),
+    "c10d::_allgather_base_": ("all-gather", "gloo:all_gather", "AllGather"),
+    "c10d::_reduce_scatter_base_": ("reduce-scatter", "gloo:all_reduce", "ReduceScatter"),
 }
+EXECUTION_GROUPS = {}  # gloo's execution name: the calls it executes, the first naming the group
+for call_name, (_, gloo_name, _) in COLLECTIVE_EVENTS.items():
+    EXECUTION_GROUPS.setdefault(gloo_name, []).append(call_name)
 
 
 def event_start(event):
@@ -134,12 +140,14 @@ def summarize(events, rank, audit):
     origin = event_start(micro_batches[0])
     labelled_spans = [(LABELLED_KINDS[e.name], e.time_range) for e in labels if e.name in LABELLED_KINDS]
     calls, executions, collectives = {}, {}, []
-    for call_name, (gloo_name, nccl_word) in COLLECTIVE_EVENTS.items():
-        called = sorted((e for e in events if e.name == call_name), key=event_start)
-        executed = sorted((e for e in events if is_execution(e, gloo_name, nccl_word)), key=event_start)
-        calls[call_name], executions[call_name] = len(called), len(executed)
+    for gloo_name, names in EXECUTION_GROUPS.items():
+        called = sorted((e for e in events if e.name in names), key=event_start)
+        words = [COLLECTIVE_EVENTS[name][2] for name in names]
+        executed = sorted((e for e in events if any(is_execution(e, gloo_name, w) for w in words)), key=event_start)
+        calls.update({name: sum(e.name == name for e in called) for name in names})
+        executions[names[0]] = len(executed)
         for call, execution in zip(called, executed):
-            kind = "broadcast" if call_name == "c10d::broadcast_" else "gradient all-reduce"
+            kind = COLLECTIVE_EVENTS[call.name][0]
             for labelled, span in labelled_spans:
                 if span.start <= event_start(call) <= span.end:
                     kind = labelled
@@ -222,7 +230,8 @@ def check_profile(folder, record, history):
         check(
             all(isinstance(part, dict) for part in (audit, calls, executions))
             and all(is_int(audit.get(key)) for key in COUNTS)
-            and all(is_int(part.get(name)) for part in (calls, executions) for name in PROFILED_CALLS),
+            and all(is_int(calls.get(name)) for name in COLLECTIVE_EVENTS)
+            and all(is_int(executions.get(names[0])) for names in EXECUTION_GROUPS.values()),
             path,
             f"rank {rank}: calls, executions and audit must hold whole-number counts",
         )
@@ -257,6 +266,11 @@ def check_profile(folder, record, history):
                 audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
                 f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} bucket-rebuild collectives",
             ),
+            "c10d::_allgather_base_": (audit["all_gathers"], f"{audit['all_gathers']} FSDP all-gathers"),
+            "c10d::_reduce_scatter_base_": (
+                audit["reduce_scatters"],
+                f"{audit['reduce_scatters']} FSDP reduce-scatters",
+            ),
         }
         for name, (count, made_of) in expected.items():
             check(
@@ -265,16 +279,17 @@ def check_profile(folder, record, history):
                 f"rank {rank}: the profiler saw {calls[name]} {name} calls in {where}, the audit counted {made_of} = "
                 f"{count}: the audit and its witness disagree",
             )
-            if config.get("backend") == "gloo":
-                check(
-                    executions[name] == calls[name],
-                    path,
-                    f"rank {rank}: {calls[name]} {name} calls but {executions[name]} executions on gloo's threads in {where}",
-                )
+        for names in EXECUTION_GROUPS.values() if config.get("backend") == "gloo" else ():
+            called = sum(calls[name] for name in names)
+            check(
+                executions[names[0]] == called,
+                path,
+                f"rank {rank}: {called} {' and '.join(names)} calls but {executions[names[0]]} executions on gloo's "
+                f"threads in {where}",
+            )
     return profile
 
 
-PROFILED_CALLS = ("c10d::allreduce_", "c10d::broadcast_")
 OPTIMIZER_STEP_EVENT = "Optimizer.step#"  # torch.optim's record_function around each step()
 
 

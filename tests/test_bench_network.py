@@ -54,8 +54,8 @@ def test_the_model_predicts_from_compute_and_sync_time():
 
 
 def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
-    """--strategy fsdp: a sync reduce-scatters (each of two ranks sends the half it does not keep: the bytes one
-    rank hands, once), and every micro-batch all-gathers both ranks' shards, in both modes."""
+    """--strategy fsdp: a sync reduce-scatters (gloo runs it as an all-reduce: both ranks' handed bytes), and every
+    micro-batch all-gathers both ranks' shards, in both modes."""
     fsdp = {"allreduce_bytes": 0, "reduce_scatter_bytes": 8 * 1_000_000}
     rows = [
         {"rate_mbit": None, "accum_steps": 4, "runs": {"every": {**history_row(2.08, 0.08, 8, 2), **fsdp}, "no_sync": {**history_row(2.02, 0.02, 2, 2), **fsdp, "reduce_scatter_bytes": 2 * 1_000_000}}},
@@ -64,9 +64,9 @@ def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
     _, table = link_model.analyse(rows, gathered_bytes=500_000)
     framing = (1514 + 33) / 1448
     slow = table[1]
-    assert slow["wire_bits_per_sync"] == pytest.approx(1_000_000 * 8 * framing)
+    assert slow["wire_bits_per_sync"] == pytest.approx(2 * 1_000_000 * 8 * framing)
     assert slow["gather_bits_per_micro_batch"] == pytest.approx(2 * 500_000 * 8 * framing)
-    sync, gather = 0.01 + 8e6 * framing / 50e6, 8e6 * framing / 50e6
+    sync, gather = 0.01 + 16e6 * framing / 50e6, 8e6 * framing / 50e6
     first = slow["first_principles"]
     assert first["every_step_seconds"] == pytest.approx(4 * (0.25 + gather + sync))
     assert first["no_sync_step_seconds"] == pytest.approx(4 * (0.25 + gather) + sync)
