@@ -361,13 +361,12 @@ def timeline_image(title, panels, caption):
                 draw.rectangle(box, fill=COLLECTIVE_COLOURS[kind])
                 collectives.append({"kind": kind, "box": box})
             counts = {kind: sum(c["kind"] == kind for c in collectives) for kind in COLLECTIVE_COLOURS}
-            summary = f"{counts['gradient all-reduce']} gradient all-reduce(s)"
+            synced = "reduce-scatter" if counts["reduce-scatter"] else "gradient all-reduce"  # FSDP's, or DDP's
+            summary = f"{counts[synced]} {synced}(s)" + (
+                f", {counts['all-gather']} all-gather(s)" if counts["all-gather"] else ""
+            )
             draw.text(
-                (right + 12, compute_row[1]),
-                summary,
-                font=label_font,
-                fill=COLLECTIVE_COLOURS["gradient all-reduce"],
-                anchor="lm",
+                (right + 12, compute_row[1]), summary, font=label_font, fill=COLLECTIVE_COLOURS[synced], anchor="lm"
             )
             others = (
                 f"{counts['rank-agreement all-reduce']} rank agreement, {counts['average-witness all-reduce']} "
@@ -380,11 +379,12 @@ def timeline_image(title, panels, caption):
     centred_text(
         draw, ((left + right) / 2, top + 6), "milliseconds from the window's start (each rank's own clock)", font(13)
     )
+    shown = [lane["counts"] for panel in data for lane in panel["lanes"]]  # the legend names the kinds drawn
     legend(
         draw,
         (left - 40, height - 44),
         [("micro-batch: forward, backward, step", COMPUTE_SHADES[0], None)]
-        + [(kind, colour, None) for kind, colour in COLLECTIVE_COLOURS.items()],
+        + [(kind, colour, None) for kind, colour in COLLECTIVE_COLOURS.items() if any(drawn[kind] for drawn in shown)],
     )
     draw.text((left - 40, height - 16), caption, font=small, fill=INK, anchor="lm")
     return image, {"panels": data, "origin_x": left, "seconds_per_pixel": 1 / scale}

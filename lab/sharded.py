@@ -2,7 +2,7 @@
 counterpart, FSDP's collectives counted from the calls themselves, its reduction made the mean, and the exact
 counts a configuration implies.
 
-    the units      each convolution its own unit (99.5 % of the parameters: one layer gathered at a time), the root
+    the units      each convolution its own unit (99.3 % of the parameters: one layer gathered at a time), the root
                    holding BatchNorm's and the classifier's (3,850 parameters, kept gathered from its forward to
                    its backward, as FSDP does for the root)
     the layout     contiguous (NCHW) parameters and images: torch 2.8's fully_shard refuses channels_last ones

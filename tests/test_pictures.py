@@ -108,6 +108,8 @@ def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
                 "rank-agreement all-reduce": 1,
                 "average-witness all-reduce": 1,
                 "broadcast": 2 * gradient_all_reduces,
+                "all-gather": 0,  # FSDP's (train.py --strategy fsdp)
+                "reduce-scatter": 0,
             }
             assert [c["index"] for c in lane["compute"]] == [8, 9, 10, 11]
             seconds = {index: start for index, start, _ in summary["micro_batches"]}
