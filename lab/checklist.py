@@ -117,8 +117,7 @@ class Witness:
         # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
         # [F local, |local|_2, samples, forwards, syncs, F synced] (the text task: and tokens); a rank's shard of
-        # a synced gradient (FSDP's) weighs world_size, its copy (DDP's) one: the sum over ranks / world_size is
-        # the gradient's whole F either way.
+        # a synced gradient (FSDP's) weighs world_size: the sum over ranks / world_size is the whole's F.
         self.window = torch.zeros(7 if self.counts_tokens else 6, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
@@ -349,7 +348,10 @@ class Witness:
         bound = (SIGMAS * (world_size + 2) * unit + 3 * self.dot_slack) * summed[1] / world_size + SIGMAS * (
             world_size + 1
         ) * gap * math.sqrt(self.elements) * summed[4]
-        mean, synced = summed[0] / world_size, summed[5] / world_size
+        # A replica's synced gradient is its own to compare (a rank that reset it is named at its item); shards
+        # make the whole only together.
+        mean = summed[0] / world_size
+        synced = self.window[5].clone() if self.unsharded is None else summed[5] / world_size
         self.trace.averages.append(torch.stack([synced, mean, bound, *summed[2:4], *summed[6:]]))
         self.window.zero_()
         self.window_syncs = 0
