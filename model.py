@@ -115,7 +115,7 @@ class CifarCNN(nn.Module):
     def forward(self, inputs):
         if self.activation_checkpointing and torch.is_grad_enabled():
             # Non-reentrant: a stage whose input needs no gradient (the images) still gives its parameters theirs,
-            # and DDP sees each parameter's gradient once (README "Activation checkpointing").
+            # and DDP sees each parameter's gradient once (docs/checkpointing.md).
             features = inputs
             for stage in self.stages():
                 features = checkpoint(

@@ -313,7 +313,7 @@ def shard_coverage(sampler, split_size):
 
 
 # DDP's errors when a parameter's gradient comes twice in one backward, or never: what reentrant activation
-# checkpointing does (README "Activation checkpointing"). DDP's own advice for the second,
+# checkpointing does (docs/checkpointing.md). DDP's own advice for the second,
 # find_unused_parameters=True, would hide it: the stages would train no more, silently.
 DDP_GRADIENT_ERRORS = {
     "Expected to mark a variable ready only once": "DDP saw a parameter's gradient twice in one backward",

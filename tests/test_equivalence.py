@@ -67,6 +67,15 @@ def test_float32_equals_the_reference_summed_in_the_same_order_bit_for_bit(resul
     assert variant["grad_relative"] == variant["param_relative"] == [0.0] * steps
 
 
+def test_nanogpts_require_backward_grad_sync_idiom_is_no_sync_to_the_bit(results):
+    """nanoGPT sets `model.require_backward_grad_sync` before each forward instead of entering no_sync(): the
+    same flag no_sync() clears and restores, so the same syncs, the same gradients and the same weights."""
+    variant = results["float32"]["full_windows"]["nanogpt_idiom_vs_no_sync"]
+    assert variant["steps"] == variant["reference_steps"] == 3
+    assert variant["gradient_syncs"] == 3
+    assert variant["grad_relative"] == variant["param_relative"] == [0.0] * 3
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_first_update_matches_the_plain_sum(results, case, mode):

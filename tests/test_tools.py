@@ -4,14 +4,18 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import tarfile
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from conftest import REPO, assert_one_line_error, run_python
 from lab import launch
 from lab.cli import LabError
 from lab.precision import choose_precision
+from model import CLASSES
 
 
 def test_check_env_reports_the_machine_and_the_way_the_lab_runs():
@@ -108,3 +112,45 @@ def test_the_hta_check_reads_every_ranks_trace_or_says_what_it_needs(lab_runs, t
     content["distributedInfo"]["rank"] = 0
     trace.write_text(json.dumps(content))
     assert_one_line_error(run_python("tools/hta_check.py", copy), f"{trace}: its distributedInfo names rank 0, not 1")
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_jpeg_copy_is_made_from_the_official_archive_and_its_quality_read_back(tmp_path):
+    jpeg_copy, synthetic = load_tool("jpeg_copy"), load_tool("synthetic_data")
+    (train_images, train_labels), (test_images, test_labels) = synthetic.write_dataset(
+        tmp_path / "src", "torchvision", 60, 30
+    )
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:  # the official archive's layout: cifar-10-batches-py/<batch>
+        tar.add(tmp_path / "src" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    assert jpeg_copy.write_copy(archive, tmp_path / "copy", jpeg_copy.QUALITY) == {"train": 60, "test": 30}
+    for split, images, labels in (("train", train_images, train_labels), ("test", test_images, test_labels)):
+        for label, name in enumerate(CLASSES):
+            files = sorted((tmp_path / "copy" / split / name).iterdir())
+            originals = images[[i for i, each in enumerate(labels) if each == label]]
+            assert [path.name for path in files] == [f"{n:04d}.jpg" for n in range(len(originals))]
+            decoded = np.stack([np.asarray(Image.open(path)) for path in files]).astype(int)
+            distance = np.abs(decoded[:, None] - originals[None].astype(int)).mean(axis=(2, 3, 4))
+            assert distance.min() > 0  # lossy, and each file nearest its own image: the same image in its place
+            assert distance.argmin(axis=1).tolist() == list(range(len(originals)))
+    assert jpeg_copy.read_quality(tmp_path / "copy") == {75: 90}
+    # From the unpacked folder, at another quality; the synthetic marker travels with the copy.
+    jpeg_copy.write_copy(tmp_path / "src", tmp_path / "copy90", 90)
+    assert jpeg_copy.read_quality(tmp_path / "copy90") == {90: 90}
+    assert (tmp_path / "copy90" / "synthetic.json").is_file() and not (tmp_path / "copy").joinpath(
+        "synthetic.json"
+    ).exists()
+    reencoded = tmp_path / "copy90/test/cat/0000.jpg"  # tables of no Pillow quality
+    Image.open(reencoded).save(reencoded, qtables=[[3] * 64, [5] * 64])
+    assert jpeg_copy.read_quality(tmp_path / "copy90") == {90: 89, None: 1}
+    result = run_python("tools/jpeg_copy.py", "--read-quality", tmp_path / "copy")
+    assert result.returncode == 0 and result.stdout == "90 files at quality 75\n", result.stderr
+    assert_one_line_error(
+        run_python("tools/jpeg_copy.py", "--source", tmp_path, "--out", tmp_path / "copy"), "already exists; remove it"
+    )

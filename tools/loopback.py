@@ -1,5 +1,5 @@
 """Several torchrun nodes emulated on one machine, for the tests and the network benchmark: one process per
-node, c10d rendezvous hosted by node 0, every connection on 127.0.0.1 (README "Across machines" has the commands
+node, c10d rendezvous hosted by node 0, every connection on 127.0.0.1 (docs/across-machines.md has the commands
 for real machines, where only the endpoint and each node's own address differ).
 """
 
@@ -18,7 +18,7 @@ def loopback_node_command(node, nodes, port, script_args, restarts=0):
     """The torchrun command of node `node` of a multi-node run emulated on one machine (the tests, the
     network benchmark): one process per node, c10d rendezvous hosted by node 0, all traffic on 127.0.0.1;
     torchrun restarts a failed worker group `restarts` times.
-    On real machines only the endpoint and the node's own address differ (README "Across machines")."""
+    On real machines only the endpoint and the node's own address differ (docs/across-machines.md)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nodes}", f"--node-rank={node}", "--nproc-per-node=1", f"--max-restarts={restarts}",

@@ -117,6 +117,25 @@ def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast,
     return record
 
 
+def nanogpt_idiom_run(initial_state, data, rank, world_size, dtype):
+    """nanoGPT's form of no_sync, written out: `require_backward_grad_sync` set before each micro-batch's forward
+    (true on the window's last only), no context manager; the lab's DDP with its counting hook."""
+    ddp_model, audit = train.wrap_model(new_model(initial_state, dtype), CPU, world_size)
+    optimizer = new_optimizer(ddp_model)
+    record = recorder(ddp_model, optimizer)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
+    ddp_model.train()
+    for index, (inputs, targets) in enumerate(loader):
+        ddp_model.require_backward_grad_sync = (index + 1) % ACCUM == 0
+        loss = nn.functional.cross_entropy(ddp_model(train.to_device(inputs, CPU)), targets) / ACCUM
+        loss.backward()
+        if (index + 1) % ACCUM == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    record["gradient_syncs"], record["ranks_agree"] = audit.gradient_syncs, True  # compared with no_sync's below
+    return record
+
+
 def reference_run(initial_state, data, world_size, dtype, summation, autocast, per_sample=False):
     """One process, by hand: each window's micro-batches of every rank, the mean over the window and over the
     ranks as the gradient, one optimizer step per window (the last window may be short).
@@ -267,6 +286,9 @@ def main():
                 if variant in experiment.MODES and name == "float32":  # the same mean, summed in the mode's order
                     same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
+                if variant == "no_sync" and name == "float32" and case == "full_windows":
+                    idiom = nanogpt_idiom_run(initial_state, data, rank, world_size, dtype)
+                    results[name][case]["nanogpt_idiom_vs_no_sync"] = compare(idiom, record)
     # FSDP (--strategy fsdp): both modes against the same reference; in float32 against DDP in the same mode, and
     # FSDP's own reduction (the lab's correction undone).
     for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
