@@ -22,12 +22,13 @@ TEXT_QUICK := artifacts/text-quick
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# pip's progress shown, not silenced: the first install downloads torch's CUDA build, 6.6 GB installed.
 $(VENV)/.requirements: requirements.txt | $(PY)
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install -r requirements.txt
 	touch $@
 
 $(VENV)/.requirements-dev: requirements-dev.txt requirements.txt | $(PY)
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install -r requirements-dev.txt
 	touch $@
 
 # The documented experiment: both modes, 5 epochs, local batch 50, accum_steps 4; on two GPUs when there

@@ -42,10 +42,13 @@ def print_tables(runs, config):
         )
     print()
     epochs = len(every_history)
-    print(f"Communication per rank, totals over {epochs} epochs (comm and epoch seconds: means over ranks):")
+    print(
+        f"Communication per rank, totals over {epochs} epochs (comm s and train s, the epochs' training: means over "
+        "ranks; the rate: all ranks together):"
+    )
     print(
         "| mode | gradient syncs | hook calls | all-reduce MB | buffer-broadcast collectives | broadcast KB "
-        f"| bucket-rebuild collectives | comm s | epoch s | {'tokens' if config.get('task') == 'text' else 'images'}/s |"
+        f"| bucket-rebuild collectives | comm s | train s | {'tokens' if config.get('task') == 'text' else 'images'}/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
@@ -97,7 +100,11 @@ def print_tables(runs, config):
         print_text_tables(runs, config)
         return
     print("baseline:", no_sync_report["baseline_class"], f"{no_sync_report['baseline_accuracy']:.4f}")
-    print("top confusions:", no_sync_report["top_confusions"])
+    print("top confusions (no_sync, test set):")
+    print("| true | predicted | count |")
+    print("|---|---|---:|")
+    for confusion in no_sync_report["top_confusions"]:
+        print(f"| {confusion['true']} | {confusion['predicted']} | {confusion['count']} |")
 
 
 def print_fsdp_table(runs, epochs):

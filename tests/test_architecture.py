@@ -66,3 +66,16 @@ def test_no_module_is_much_over_400_lines():
     lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in sources}
     assert {name: length for name, length in lengths.items() if length > 420} == {}
     assert lengths["train.py"] <= 360
+
+
+def test_the_architecture_page_lists_every_module_with_its_imports():
+    """docs/architecture.md's module table: one row per module in the layers' order, its imports as they are."""
+    order = layer_order()
+    rows = re.findall(
+        r"^\| `lab/([a-z_]+)\.py` \| .* \| ([^|]+) \|$", (REPO / "docs/architecture.md").read_text(), re.M
+    )
+    assert [name for name, _ in rows] == order
+    for name, listed in rows:
+        imports = imported_lab_modules(LAB / f"{name}.py")
+        expected = [module for module in order if module in imports] + ["model"] * ("model.py" in imports)
+        assert listed.strip() == (", ".join(expected) or "nothing of the lab"), name
