@@ -19,8 +19,9 @@ TEXT_QUICK := artifacts/text-quick
 
 .PHONY: lab quick text text-quick test lint check compat compat-run clean
 
+# A venv that failed half-way (no ensurepip: python3-venv missing) is removed, so that the next try starts clean.
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
 # pip's progress shown, not silenced: the first install downloads torch's CUDA build, 6.6 GB installed.
 $(VENV)/.requirements: requirements.txt | $(PY)

@@ -5,7 +5,7 @@
 
 The copy the figures used (docs/results.md#the-data) is CIFAR-10 re-encoded by Pillow at quality 75 with 4:2:0
 chroma subsampling, its files train/<class>/NNNN.jpg and test/<class>/NNNN.jpg, numbered per class in the
-archive's order. This tool writes the same from `cifar-10-python.tar.gz` (or its unpacked
+archive's order. This tool writes the same kind of copy from `cifar-10-python.tar.gz` (or its unpacked
 `cifar-10-batches-py/`): pixels differ slightly from the official ones, so accuracies are close to, not equal
 to, a run on the archive. --read-quality reads a folder's JPEG quality from its files' quantization tables: the
 quality whose IJG tables, as Pillow writes them, equal the file's.
