@@ -14,12 +14,12 @@ Two machines, one process each: the same command on both (docs/across-machines.m
 ddp_model.no_sync(), so DDP all-reduces once per window. The communication hook below counts the syncs, their
 bytes and time; lab/audit.py's AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
 
-Measured (2 CPU ranks on 2 Xeon cores, gloo, BF16 autocast, channels_last, tensor loader, real CIFAR-10 as JPEG,
-documented settings; per rank, totals over 5 epochs; docs/results.md has the whole table):
+Measured (`make lab` on the EPYC of docs/machines.md, 2026-12-02: 2 CPU ranks, gloo, BF16 autocast, real CIFAR-10 as
+JPEG, documented settings; per rank, totals over 5 epochs; docs/results.md has the whole output):
 
-    | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer-broadcast collectives | epoch s | test accuracy |
-    | every   | 100         | 400         | 4468.3        | 4002                         | 437.4   | 0.7081        |
-    | no_sync | 100         | 100         | 1117.1        | 1002                         | 410.8   | 0.7063        |
+    | mode    | steps/epoch | syncs/epoch | all-reduce MB | buffer-broadcast collectives | train s | test accuracy |
+    | every   | 100         | 400         | 4468.3        | 4002                         | 444.3   | 0.7063        |
+    | no_sync | 100         | 100         | 1117.1        | 1002                         | 425.2   | 0.7084        |
 
 Stdout carries one JSON line per epoch and the final report (rank 0); progress goes to stderr.
 """
