@@ -11,12 +11,19 @@ per unit, which gloo runs as an all-reduce of the whole padded gradient (the pro
 W = both ranks' handed bytes, as DDP's; and every micro-batch also all-gathers the units, in both modes:
 g = G / R more per micro-batch, G both ranks' shards (A(c + g + s) against A(c + g) + s; the gathers' unlimited
 cost is inside c).
+
+Run as a command, it is a calculator for a user's own cluster (the benchmark checks the same functions on two
+nodes over an emulated link):
+
+    python benchmarks/link_model.py --gradient-mb 2.234 --compute-ms 200 --rate-mbit 50 --latency-ms 20 \
+        --world-size 2 --accum-steps 4 --shared-link
 """
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.cli import ArgumentParser, non_negative_float, positive_float, positive_int  # noqa: E402
 from tools import netns  # noqa: E402
 
 SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table
@@ -46,13 +53,22 @@ def unlimited_terms(rows):
     return compute, latency
 
 
+def ring_wire_bits(gradient_bytes, world_size, shared_link):
+    """The bits one ring all-reduce of `gradient_bytes` per rank puts through the busiest link, framed: each rank
+    sends 2(N-1)/N of the bytes (half in the reduce-scatter, half in the all-gather). On a link the ranks share in
+    both directions (the emulated link between two nodes: half-duplex) every rank's sending crosses it, N times that;
+    on full-duplex links to a switch each rank's own link carries its own sending."""
+    per_rank = 2 * (world_size - 1) / world_size * gradient_bytes
+    return (world_size if shared_link else 1) * per_rank * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
+
+
 def wire_bits_per_sync(runs):
-    """W: what one sync puts through the half-duplex link, from the audit's bytes: both ranks' all-reduced buffers
-    (FSDP's reduce-scatter runs as an all-reduce on gloo), framed."""
+    """W: what one sync puts through the benchmark's half-duplex link between two nodes, from the audit's bytes:
+    both ranks' all-reduced buffers (FSDP's reduce-scatter runs as an all-reduce on gloo), framed."""
     (bytes_per_sync,) = {
         (run["allreduce_bytes"] + run.get("reduce_scatter_bytes", 0)) // run["gradient_syncs"] for run in runs.values()
     }
-    return 2 * bytes_per_sync * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE
+    return ring_wire_bits(bytes_per_sync, 2, shared_link=True)
 
 
 def step_seconds(mode, compute, sync_seconds, accum, gather_seconds=0.0):
@@ -157,3 +173,42 @@ def print_model_table(table, compute, accums):
     for accum in accums:
         speedups = [f"{predicted_speedup(1, ratio, accum):.2f}x" for ratio in SYNC_TO_COMPUTE_RATIOS]
         print(f"| {accum} | " + " | ".join(speedups) + " |")
+
+
+def calculate(gradient_bytes, compute, rate_mbit, latency, world_size, accum, shared_link):
+    """Each mode's predicted seconds per optimizer step and no_sync's speedup, from the benchmark's own terms."""
+    sync_seconds = latency + ring_wire_bits(gradient_bytes, world_size, shared_link) / (rate_mbit * 1e6)
+    steps = {mode: step_seconds(mode, compute, sync_seconds, accum) for mode in ("every", "no_sync")}
+    return sync_seconds, steps, steps["every"] / steps["no_sync"]
+
+
+def main():
+    parser = ArgumentParser(prog="link_model.py", description="What no_sync saves per optimizer step on a link.")
+    parser.add_argument("--gradient-mb", type=positive_float, required=True, help="gradient MB all-reduced per sync")
+    parser.add_argument("--compute-ms", type=positive_float, required=True, help="forward + backward per micro-batch")
+    parser.add_argument("--rate-mbit", type=positive_float, required=True, help="the link's rate, Mbit/s")
+    parser.add_argument("--latency-ms", type=non_negative_float, default=0.0, help="per sync, e.g. the unlimited sync")
+    parser.add_argument("--world-size", type=positive_int, default=2)
+    parser.add_argument("--accum-steps", type=positive_int, default=4)
+    parser.add_argument("--shared-link", action="store_true", help="all ranks' traffic through one half-duplex link")
+    args = parser.parse_args()
+    gradient_bytes = args.gradient_mb * 1e6
+    sync, steps, speedup = calculate(
+        gradient_bytes, args.compute_ms / 1e3, args.rate_mbit, args.latency_ms / 1e3, args.world_size,
+        args.accum_steps, args.shared_link,
+    )  # fmt: skip
+    print(
+        f"assumed: ring all-reduce, each rank sending 2(N-1)/N of {args.gradient_mb:g} MB per sync; "
+        f"{'one half-duplex link shared by all ranks' if args.shared_link else 'full-duplex links, one per rank'}; "
+        f"TCP/IP framing x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f}; compute and syncs not overlapped; "
+        f"a window costs A(c + s) under every and Ac + s under no_sync"
+    )
+    print(f"s = {sync * 1e3:.1f} ms per sync, r = s/c = {sync / (args.compute_ms / 1e3):.2f}")
+    print("| mode | s per optimizer step |\n|---|---:|")
+    for mode, seconds in steps.items():
+        print(f"| {mode} | {seconds:.3f} |")
+    print(f"no_sync: {speedup:.2f}x faster per optimizer step (at most A = {args.accum_steps}x)")
+
+
+if __name__ == "__main__":
+    main()

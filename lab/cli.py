@@ -77,6 +77,13 @@ def non_negative_float(text):
     return value
 
 
+def positive_float(text):
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 class Progress:
     """Rank 0's progress on stderr, one line at most every `interval` seconds; stdout keeps the JSON lines."""
 

@@ -72,6 +72,37 @@ def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
     assert first["no_sync_step_seconds"] == pytest.approx(4 * (0.25 + gather) + sync)
 
 
+def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_ranks():
+    """benchmarks/link_model.py as a command: on two ranks sharing one half-duplex link it is the benchmark's own
+    first-principles prediction; for N ranks each sends 2(N-1)/N of the bytes."""
+    rows = [
+        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
+        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
+    ]  # fmt: skip
+    (compute, latency), table = link_model.analyse(rows)
+    first = table[1]["first_principles"]
+    sync, steps, speedup = link_model.calculate(1_000_000, compute, 50, latency, 2, 4, shared_link=True)
+    assert sync == pytest.approx(first["seconds_per_sync"])
+    assert steps == pytest.approx({"every": first["every_step_seconds"], "no_sync": first["no_sync_step_seconds"]})
+    assert speedup == pytest.approx(first["speedup"])
+    framing = (1514 + 33) / 1448
+    assert link_model.ring_wire_bits(1e6, 8, shared_link=False) == pytest.approx(2 * 7 / 8 * 1e6 * 8 * framing)
+    assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * framing)
+    result = run_python(
+        "benchmarks/link_model.py", "--gradient-mb", "1", "--compute-ms", "250", "--rate-mbit", "50",
+        "--latency-ms", "10", "--accum-steps", "4", "--shared-link",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"| every | {first['every_step_seconds']:.3f} |" in result.stdout
+    assert (
+        result.stdout.splitlines()[-1] == f"no_sync: {first['speedup']:.2f}x faster per optimizer step (at most A = 4x)"
+    )
+    assert_one_line_error(
+        run_python("benchmarks/link_model.py", "--gradient-mb", "0", "--compute-ms", "1", "--rate-mbit", "1"),
+        "argument --gradient-mb: must be more than 0, got 0",
+    )
+
+
 def test_a_node_that_writes_much_cannot_stall_the_other(tmp_path, monkeypatch):
     """Node 1 writes 1 MB (a pipe holds 64 KB) and node 0 waits for node 1 to end, as nodes wait for each other
     in a collective: with the launchers' output in files, neither waits on the benchmark to read it."""
