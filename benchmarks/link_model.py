@@ -15,7 +15,7 @@ cost is inside c).
 Run as a command, it is a calculator for a user's own cluster (the benchmark checks the same functions on two
 nodes over an emulated link):
 
-    python benchmarks/link_model.py --gradient-mb 2.234 --compute-ms 200 --rate-mbit 50 --latency-ms 20 \
+    python benchmarks/link_model.py --gradient-mb 2.234 --compute-ms 200 --rate-mbit 50 --sync-latency-ms 20 \
         --world-size 2 --accum-steps 4 --shared-link
 """
 
@@ -187,14 +187,19 @@ def main():
     parser.add_argument("--gradient-mb", type=positive_float, required=True, help="gradient MB all-reduced per sync")
     parser.add_argument("--compute-ms", type=positive_float, required=True, help="forward + backward per micro-batch")
     parser.add_argument("--rate-mbit", type=positive_float, required=True, help="the link's rate, Mbit/s")
-    parser.add_argument("--latency-ms", type=non_negative_float, default=0.0, help="per sync, e.g. the unlimited sync")
+    parser.add_argument(
+        "--sync-latency-ms",
+        type=non_negative_float,
+        default=0.0,
+        help="one sync's time at this world size without a rate limit (measured: its latency hops and waits)",
+    )
     parser.add_argument("--world-size", type=positive_int, default=2)
     parser.add_argument("--accum-steps", type=positive_int, default=4)
     parser.add_argument("--shared-link", action="store_true", help="all ranks' traffic through one half-duplex link")
     args = parser.parse_args()
     gradient_bytes = args.gradient_mb * 1e6
     sync, steps, speedup = calculate(
-        gradient_bytes, args.compute_ms / 1e3, args.rate_mbit, args.latency_ms / 1e3, args.world_size,
+        gradient_bytes, args.compute_ms / 1e3, args.rate_mbit, args.sync_latency_ms / 1e3, args.world_size,
         args.accum_steps, args.shared_link,
     )  # fmt: skip
     print(

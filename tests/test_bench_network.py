@@ -90,7 +90,7 @@ def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_rank
     assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * framing)
     result = run_python(
         "benchmarks/link_model.py", "--gradient-mb", "1", "--compute-ms", "250", "--rate-mbit", "50",
-        "--latency-ms", "10", "--accum-steps", "4", "--shared-link",
+        "--sync-latency-ms", "10", "--accum-steps", "4", "--shared-link",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert f"| every | {first['every_step_seconds']:.3f} |" in result.stdout

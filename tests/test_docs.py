@@ -17,6 +17,7 @@ CODE = [
     for path in sorted(REPO.glob(pattern))
 ] + [REPO / "Makefile", REPO / ".ci/run"]
 FENCE = re.compile(r"^\s*```")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`]+)`")
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?!\w)")
@@ -36,6 +37,17 @@ def prose_and_code(page):
         yield number, line, fenced
 
 
+def prose_and_code_all(page):
+    """Every line of a page, fences included (as empty prose), so that line numbers stay the page's."""
+    fenced = False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            yield number, "", False
+            continue
+        yield number, line, fenced
+
+
 def slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
@@ -45,8 +57,9 @@ def slug(heading):
 def anchors(page):
     seen, found = Counter(), set()
     for _, line, fenced in prose_and_code(page):
-        if not fenced and line.startswith("#"):
-            base = slug(line.lstrip("#"))
+        heading = HEADING.match(line)
+        if not fenced and heading:
+            base = slug(heading.group(1))
             found.add(base if not seen[base] else f"{base}-{seen[base]}")
             seen[base] += 1
     return found
@@ -55,10 +68,12 @@ def anchors(page):
 def test_every_link_and_anchor_on_the_pages_resolves():
     broken = []
     for page in PAGES:
-        for number, line, fenced in prose_and_code(page):
-            for target in [] if fenced else LINK.findall(line):
-                if re.match(r"[a-z]+:", target):
-                    continue  # a web address
+        prose = ["" if fenced else line for _, line, fenced in prose_and_code_all(page)]
+        text = "\n".join(prose)
+        for match in LINK.finditer(text):
+            target, number = match.group(1), text.count("\n", 0, match.start()) + 1
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
                 path, _, anchor = target.partition("#")
                 linked = (page.parent / path).resolve() if path else page
                 where = f"{page.relative_to(REPO)}:{number}: {target}"
@@ -95,23 +110,35 @@ def mentions(page):
     """(line, program or None, option) for every option a page names. A program is the last script, torchrun or
     other program named before the option in the same command (a code block's line or one code span); an option
     named in prose or alone in a span belongs to no program."""
-    for number, line, fenced in prose_and_code(page):
+    lines = list(prose_and_code(page))
+    for index, (number, line, fenced) in enumerate(lines):
+        while fenced and line.endswith("\\") and index + 1 < len(lines):  # a shell line continued
+            index += 1
+            line = line[:-1] + " " + lines[index][1]
         commands = [line] if fenced else CODE_SPAN.findall(line) + [CODE_SPAN.sub(" ", line)]
         for command in commands:
             program = None
-            for token in re.split(r"\s+|(?<=[|;&])", command):
+            for token in re.split(r"\s+|(&&|\|\||[|;])", command):
+                token = (token or "").strip("`'\"()[],:")
                 if token.startswith("#") and token != "#SBATCH":
                     break  # a shell comment
                 name = token.rsplit("/", 1)[-1]
                 if name.endswith((".py", ".sh")) or name == "torchrun" or token in OTHER_PROGRAMS:
                     program = token if token in OTHER_PROGRAMS else name
-                elif token in ("|", "&&", ";"):
+                elif token in ("|", "||", "&&", ";"):
                     program = None
                 for option in OPTION.findall(token.split("=", 1)[0]):
                     yield number, program, option
 
 
 def test_every_option_a_page_names_exists_in_its_scripts_help(help_options):
+    with_parsers = {
+        str(path.relative_to(REPO))
+        for pattern in ("*.py", "tools/*.py", "benchmarks/*.py")
+        for path in REPO.glob(pattern)
+        if "ArgumentParser(" in path.read_text()
+    }
+    assert set(help_options) - {"torchrun", "gpu_check.sh"} == with_parsers  # none fell out of the check
     by_name = {script.rsplit("/", 1)[-1]: options for script, options in help_options.items()}
     anywhere = set().union(*help_options.values())
     wrong, checked = [], 0
@@ -119,7 +146,10 @@ def test_every_option_a_page_names_exists_in_its_scripts_help(help_options):
         for number, program, option in mentions(page):
             if program in OTHER_PROGRAMS:
                 continue
-            offered = by_name.get(program, anywhere)
+            if program is not None and program not in by_name:
+                wrong.append(f"{page.relative_to(REPO)}:{number}: {option} given to {program}, which has no options")
+                continue
+            offered = by_name[program] if program else anywhere
             checked += 1
             if option not in offered:
                 wrong.append(f"{page.relative_to(REPO)}:{number}: {option} (not in {program or 'any script'}'s --help)")

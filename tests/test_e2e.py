@@ -148,6 +148,12 @@ def test_verify_passes_against_the_runs_own_configuration(lab_runs):
     for rank in (0, 1):
         assert any(line.startswith(f"| every | 8-15 | {rank} | 12 | 8 + 2 x 2 | 16 | 16 | ") for line in lines), lines
         assert any(line.startswith(f"| no_sync | 8-15 | {rank} | 6 | 2 + 2 x 2 | 4 | 4 | ") for line in lines), lines
+    # The top confusions as a table, rows in report.json's order.
+    report = read_json(artifacts / "no_sync" / "report.json")
+    table = lines.index("top confusions (no_sync, test set):")
+    assert lines[table + 1 : table + 3] == ["| true | predicted | count |", "|---|---|---:|"]
+    expected = [f"| {c['true']} | {c['predicted']} | {c['count']} |" for c in report["top_confusions"]]
+    assert lines[table + 3 : table + 3 + len(expected)] == expected and expected
     assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
 
 

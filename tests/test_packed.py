@@ -31,12 +31,13 @@ from lab.cli import LabError
 CHARACTERS = 300
 TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
 FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters at every step
-# BF16 autocast, first update. With BF16 instructions the same BF16 products on both sides (the same rows through
-# the same kernels), only the float32 sums of at most 8 micro-batch gradients in another order: 8 float32
-# roundings, 5e-7 (measured 5e-8). Emulated BF16 (a CPU without the instructions) rounds some of the two sides'
-# products differently (measured 8e-5 for the gradients, 4.9e-4 for the parameters): there, one BF16 rounding,
-# 2^-8, bounds them. float64 is the exact proof on either kind.
-BFLOAT16_FIRST_STEP_TOLERANCE = 1e-6 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 2**-8
+# BF16 autocast, first update (gradients, parameters). Where oneDNN computes BF16 (torch's report, the lab's own
+# test for BF16 autocast) the same BF16 products on both sides (the same rows through the same kernels), only the
+# float32 sums of at most 8 micro-batch gradients in another order: 8 float32 roundings, 5e-7 (measured 5e-8).
+# Emulated BF16 rounds some of the two sides' products differently (measured 8.3e-5 for the gradients, 4.9e-4 for
+# the parameters): there the gradients within 1e-3 (a rank normalized by its own tokens is off by 2.8e-3) and the
+# parameters within one BF16 rounding, 2^-8. float64 is the exact proof on either kind.
+BFLOAT16_FIRST_STEP_TOLERANCES = (1e-6, 1e-6) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (1e-3, 2**-8)
 
 
 def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
@@ -133,7 +134,8 @@ def test_every_and_no_sync_equal_one_process_over_the_windows_tokens():
         assert exact[broken]["grad_relative"][0] > 1e-3, broken
     for mode in experiment.MODES:
         first = results["bfloat16_autocast"][mode]
-        assert max(first["grad_relative"][0], first["param_relative"][0]) < BFLOAT16_FIRST_STEP_TOLERANCE
+        grad_bound, param_bound = BFLOAT16_FIRST_STEP_TOLERANCES
+        assert first["grad_relative"][0] < grad_bound and first["param_relative"][0] < param_bound, first
 
 
 def expected_window_tokens(config, epoch):

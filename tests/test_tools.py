@@ -141,7 +141,7 @@ def test_the_jpeg_copy_is_made_from_the_official_archive_and_its_quality_read_ba
             assert distance.argmin(axis=1).tolist() == list(range(len(originals)))
     assert jpeg_copy.read_quality(tmp_path / "copy") == {75: 90}
     # From the unpacked folder, at another quality; the synthetic marker travels with the copy.
-    jpeg_copy.write_copy(tmp_path / "src", tmp_path / "copy90", 90)
+    jpeg_copy.write_copy(tmp_path / "src" / "cifar-10-batches-py", tmp_path / "copy90", 90)
     assert jpeg_copy.read_quality(tmp_path / "copy90") == {90: 90}
     assert (tmp_path / "copy90" / "synthetic.json").is_file() and not (tmp_path / "copy").joinpath(
         "synthetic.json"
@@ -153,4 +153,17 @@ def test_the_jpeg_copy_is_made_from_the_official_archive_and_its_quality_read_ba
     assert result.returncode == 0 and result.stdout == "90 files at quality 75\n", result.stderr
     assert_one_line_error(
         run_python("tools/jpeg_copy.py", "--source", tmp_path, "--out", tmp_path / "copy"), "already exists; remove it"
+    )
+    # A download cut short, and a PNG under a .jpg name: one line each, no traceback.
+    cut = tmp_path / "cut" / "cifar-10-python.tar.gz"
+    cut.parent.mkdir()
+    cut.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    assert_one_line_error(
+        run_python("tools/jpeg_copy.py", "--source", cut, "--out", tmp_path / "none"), "download the archive again"
+    )
+    assert not (tmp_path / "none").exists()
+    Image.open(reencoded).save(tmp_path / "copy90/test/cat/0001.jpg", format="PNG")
+    assert_one_line_error(
+        run_python("tools/jpeg_copy.py", "--read-quality", tmp_path / "copy90"),
+        "0001.jpg: not a readable JPEG (a PNG file)",
     )

@@ -16,6 +16,7 @@ import pickle
 import shutil
 import sys
 import tarfile
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from model import CLASSES, IMAGE_SIZE  # noqa: E402
 QUALITY = 75  # read from the figures' copy with --read-quality
 SUBSAMPLING = "4:2:0"
 BATCHES = {"train": [f"data_batch_{n}" for n in range(1, 6)], "test": ["test_batch"]}
+BATCH_NAMES = {name for names in BATCHES.values() for name in names}
 
 
 def read_batches(source):
@@ -37,30 +39,28 @@ def read_batches(source):
     source = Path(source)
     folder = source / TORCHVISION_FOLDER if (source / TORCHVISION_FOLDER).is_dir() else source
     archive = source / "cifar-10-python.tar.gz" if source.is_dir() else source
-    if (folder / "test_batch").is_file():
-        read = {name: (folder / name).read_bytes() for names in BATCHES.values() for name in names}.__getitem__
-    elif archive.is_file() and tarfile.is_tarfile(archive):
-        with tarfile.open(archive) as tar:
-            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
-            contents = {
-                name: tar.extractfile(members[name]).read() for name in members if name.startswith(("data_", "test_"))
-            }
-        read = contents.__getitem__
-    else:
+    if not (folder / "test_batch").is_file() and not (archive.is_file() and tarfile.is_tarfile(archive)):
         raise LabError(
             f"--source {source} is neither cifar-10-python.tar.gz nor a folder with {TORCHVISION_FOLDER}/; pass one"
         )
     splits = {}
-    for split, names in BATCHES.items():
-        try:
-            batches = [pickle.loads(read(name), encoding="latin1") for name in names]
-        except (KeyError, pickle.UnpicklingError, EOFError) as error:
-            raise LabError(
-                f"--source {source}: {split} batch missing or damaged ({error}); download the archive again"
-            ) from None
-        rows = np.concatenate([batch["data"] for batch in batches])
-        images = rows.reshape(-1, 3, IMAGE_SIZE, IMAGE_SIZE).transpose(0, 2, 3, 1)
-        splits[split] = images, [label for batch in batches for label in batch["labels"]]
+    try:
+        if (folder / "test_batch").is_file():
+            contents = {name: (folder / name).read_bytes() for names in BATCHES.values() for name in names}
+        else:
+            with tarfile.open(archive) as tar:
+                members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+                contents = {name: tar.extractfile(members[name]).read() for name in members if name in BATCH_NAMES}
+        for split, names in BATCHES.items():
+            batches = [pickle.loads(contents[name], encoding="latin1") for name in names]  # Python 2's str as str
+            rows = np.concatenate([batch["data"] for batch in batches])
+            images = rows.reshape(-1, 3, IMAGE_SIZE, IMAGE_SIZE).transpose(0, 2, 3, 1)
+            splits[split] = images, [label for batch in batches for label in batch["labels"]]
+    except (KeyError, ValueError, OSError, EOFError, tarfile.TarError, zlib.error, pickle.UnpicklingError) as error:
+        raise LabError(
+            f"--source {source}: CIFAR-10's batches missing or damaged ({type(error).__name__}: {error}); "
+            "download the archive again"
+        ) from None
     return splits
 
 
@@ -80,9 +80,11 @@ def write_copy(source, out, quality):
             path = partial / split / CLASSES[label] / f"{numbers[label]:04d}.jpg"
             Image.fromarray(image).save(path, quality=quality, subsampling=SUBSAMPLING)
             numbers[label] += 1
-    marker = Path(source) / SYNTHETIC_MARKER  # a synthetic source stays known as synthetic
-    if marker.is_file():
-        shutil.copy(marker, partial / SYNTHETIC_MARKER)
+    source = Path(source)  # a synthetic source stays known as synthetic: its marker beside the batches or above them
+    for marker in (source / SYNTHETIC_MARKER, source.parent / SYNTHETIC_MARKER):
+        if marker.is_file():
+            shutil.copy(marker, partial / SYNTHETIC_MARKER)
+            break
     partial.rename(out)
     return {split: len(labels) for split, (_, labels) in splits.items()}
 
@@ -103,6 +105,8 @@ def read_quality(folder):
     for path in files:
         try:
             with Image.open(path) as image:
+                if image.format != "JPEG":
+                    raise ValueError(f"a {image.format} file")
                 qualities[by_tables.get(str(image.quantization))] += 1
         except IMAGE_ERRORS as error:
             raise LabError(f"{path}: not a readable JPEG ({error}); make the copy again") from None

@@ -1,8 +1,9 @@
-"""Every option the lab's scripts offer, read from each script's own --help (run in this one process, so torch is
-imported once): prints {script: [options]} as JSON. gpu_check.sh has no --help; its options are its case labels."""
+"""Every option the lab's scripts offer, read from each script's own argument parser as its --help shows it: each
+script is run in this one process (torch imported once) until it parses its arguments, and the parser's option
+strings are taken there. Prints {script: [options]} as JSON, torchrun's among them. gpu_check.sh has no parser;
+its options are its case labels."""
 
-import contextlib
-import io
+import argparse
 import json
 import re
 import runpy
@@ -10,33 +11,43 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?!\w)")
 
 
-def help_text(script: Path, module: str | None = None) -> str:
+class Parsed(Exception):
+    def __init__(self, options):
+        self.options = options
+
+
+def record(parser, *args, **kwargs):
+    shown = [action for action in parser._actions if action.help is not argparse.SUPPRESS]  # as --help shows them
+    raise Parsed(sorted({option for action in shown for option in action.option_strings}))
+
+
+def parser_options(script, module=None):
+    """The options of the first parser the script parses with, or None where it parses none."""
     argv, path = sys.argv, list(sys.path)
-    sys.argv = [str(script), "--help"]
+    sys.argv = [str(script)]
     sys.path.insert(0, str(script.parent))
-    output = io.StringIO()
     try:
-        with contextlib.redirect_stdout(output), contextlib.suppress(SystemExit):
-            if module:
-                runpy.run_module(module, run_name="__main__")
-            else:
-                runpy.run_path(str(script), run_name="__main__")
+        runpy.run_module(module, run_name="__main__") if module else runpy.run_path(str(script), run_name="__main__")
+    except Parsed as parsed:
+        return parsed.options
+    except SystemExit:
+        return None
     finally:
         sys.argv, sys.path[:] = argv, path
-    return output.getvalue()
+    return None
 
 
-def main() -> None:
+def main():
+    argparse.ArgumentParser.parse_args = record
     scripts = sorted([*ROOT.glob("*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("benchmarks/*.py")])
     options = {}
     for script in scripts:
-        text = help_text(script)
-        if "usage:" in text:
-            options[str(script.relative_to(ROOT))] = sorted(set(OPTION.findall(text)))
-    options["torchrun"] = sorted(set(OPTION.findall(help_text(ROOT / "torchrun", "torch.distributed.run"))))
+        found = parser_options(script)
+        if found is not None:
+            options[str(script.relative_to(ROOT))] = found
+    options["torchrun"] = parser_options(ROOT / "torchrun", "torch.distributed.run")
     labels = re.findall(r"^\s*(--[a-z-]+)\)", (ROOT / "gpu_check.sh").read_text(), re.MULTILINE)
     options["gpu_check.sh"] = sorted(set(labels))
     print(json.dumps(options))
