@@ -26,12 +26,16 @@ def history_row(epoch_seconds, comm_seconds, syncs, steps):
     }
 
 
-def test_the_model_predicts_from_compute_and_sync_time():
-    # c = 0.25 s per micro-batch; s = 0.01 s unlimited and 0.25 s on the slow link; 8 micro-batches, 2 steps.
-    rows = [
+def slow_link_rows():
+    """c = 0.25 s per micro-batch; s = 0.01 s unlimited and 0.25 s on the slow link; 8 micro-batches, 2 steps."""
+    return [
         {"rate_mbit": None, "accum_steps": 4, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
         {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
     ]  # fmt: skip
+
+
+def test_the_model_predicts_from_compute_and_sync_time():
+    rows = slow_link_rows()
     (compute, latency), table = link_model.analyse(rows)
     assert compute == pytest.approx(0.25) and latency == pytest.approx(0.01)
     slow = table[1]
@@ -75,10 +79,7 @@ def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
 def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_ranks():
     """benchmarks/link_model.py as a command: on two ranks sharing one half-duplex link it is the benchmark's own
     first-principles prediction; for N ranks each sends 2(N-1)/N of the bytes."""
-    rows = [
-        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
-        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
-    ]  # fmt: skip
+    rows = slow_link_rows()
     (compute, latency), table = link_model.analyse(rows)
     first = table[1]["first_principles"]
     sync, steps, speedup = link_model.calculate(1_000_000, compute, 50, latency, 2, 4, shared_link=True)

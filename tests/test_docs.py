@@ -28,17 +28,8 @@ OTHER_PROGRAMS = {"pytest", "ruff", "pip", "unshare", "#SBATCH", "srun", "sbatch
 
 
 def prose_and_code(page):
-    """(line number, text, in a fenced block) for every line of a page."""
-    fenced = False
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        if FENCE.match(line):
-            fenced = not fenced
-            continue
-        yield number, line, fenced
-
-
-def prose_and_code_all(page):
-    """Every line of a page, fences included (as empty prose), so that line numbers stay the page's."""
+    """(line number, text, in a fenced block) for every line of a page; a fence line is empty prose, so that line
+    numbers stay the page's."""
     fenced = False
     for number, line in enumerate(page.read_text().splitlines(), 1):
         if FENCE.match(line):
@@ -68,7 +59,7 @@ def anchors(page):
 def test_every_link_and_anchor_on_the_pages_resolves():
     broken = []
     for page in PAGES:
-        prose = ["" if fenced else line for _, line, fenced in prose_and_code_all(page)]
+        prose = ["" if fenced else line for _, line, fenced in prose_and_code(page)]
         text = "\n".join(prose)
         for match in LINK.finditer(text):
             target, number = match.group(1), text.count("\n", 0, match.start()) + 1
