@@ -100,7 +100,7 @@ def counting_allreduce_hook(comm_audit, bucket):
     started = comm_audit.clock.start()
 
     def finished(future):
-        comm_audit.clock.stop(started)
+        comm_audit.clock.stop(started, "sync")
         value = future.value()  # the all-reduce's [tensor]; a compressing hook's tensor
         return value[0] if isinstance(value, list) else value
 

@@ -47,10 +47,11 @@ from tools import loopback, netns, synthetic_data  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from link_model import (  # noqa: E402
+    ERROR_BOUND,
     WIRE_BYTES_PER_PAYLOAD_BYTE,
     analyse,
+    cell_verdict,
     link_fit,
-    predicted_speedup,
     print_model_table,
     print_table,
     rate_label,
@@ -58,6 +59,13 @@ from link_model import (  # noqa: E402
 
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
+DEFAULT_ACCUM_STEPS = "2,4,8"
+# Each variant's results file, by (--strategy, --comm-hook); the picture reads whichever are in the folder.
+RESULT_NAMES = {
+    ("ddp", "allreduce"): "network",
+    **{("ddp", hook): f"network-{hook}" for hook in experiment.COMM_HOOKS if hook != "allreduce"},
+    ("fsdp", "allreduce"): "network-fsdp",
+}
 RUN_TIMEOUT = 600
 
 
@@ -94,14 +102,15 @@ def parse_args():
     parser.add_argument(
         "--rates", type=parse_rates, default=parse_rates(DEFAULT_RATES), help=f"Mbit/s (default {DEFAULT_RATES})"
     )
-    parser.add_argument("--steps", type=cli.positive_int, default=12, help="optimizer steps per run (default 12)")
+    parser.add_argument("--steps", type=cli.positive_int, default=3, help="optimizer steps per run (default 3)")
     parser.add_argument(
-        "--accum-steps", type=parse_accum_steps, default=[experiment.DOCUMENTED["accum_steps"]], help="e.g. 2,4,8"
-    )
+        "--accum-steps", type=parse_accum_steps, default=parse_accum_steps(DEFAULT_ACCUM_STEPS),
+        help=f"A values (default {DEFAULT_ACCUM_STEPS})",
+    )  # fmt: skip
     parser.add_argument("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="as train.py's")
     parser.add_argument("--strategy", choices=experiment.STRATEGIES, default="ddp", help="as train.py's")
     parser.add_argument(
-        "--repeats", type=cli.positive_int, default=2, help="runs of each mode per rate, averaged (default 2)"
+        "--repeats", type=cli.positive_int, default=2, help="runs of each mode per cell, averaged (default 2)"
     )
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
     parser.add_argument(
@@ -188,8 +197,11 @@ class Nodes:
         self.launchers = []
 
 
-def mean_run(samples):
-    """One mode at one rate: the mean times of its runs, whose counts must agree."""
+TIMES = ("epoch_seconds", "comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds")
+
+
+def repeated_run(samples):
+    """One mode in one cell: its counts, which its repeats must agree on, and each repeat's times."""
     counted = ("gradient_syncs", "optimizer_steps", "allreduce_bytes", *experiment.FSDP_COUNTS)
     counts = {tuple(run[key] for key in counted) for run in samples}
     if len(counts) != 1:
@@ -197,10 +209,8 @@ def mean_run(samples):
             f"repeated runs disagree on their counts {sorted(counts)}: the lab is not deterministic here"
         )
     return {
-        "epoch_seconds": sum(run["epoch_seconds"] for run in samples) / len(samples),
-        "comm_seconds": sum(run["comm_seconds"] for run in samples) / len(samples),
         **{key: samples[0][key] for key in counted},
-        "samples": [{key: run[key] for key in ("epoch_seconds", "comm_seconds")} for run in samples],
+        "samples": [{key: run[key] for key in TIMES} for run in samples],
     }
 
 
@@ -245,7 +255,7 @@ def measure(args, workspace, nodes):
                     file=sys.stderr,
                     flush=True,
                 )
-            runs = {mode: mean_run(runs) for mode, runs in samples.items()}
+            runs = {mode: repeated_run(runs) for mode, runs in samples.items()}
             rows.append({"rate_mbit": rate, "accum_steps": accum, "runs": runs})
     setup = {"train_images_per_optimizer_step": batch * world, "test_images": test_size, "batch_size": batch}
     setup.update(accum_steps=args.accum_steps, comm_hook=args.comm_hook, strategy=args.strategy, precision=chosen)
@@ -255,39 +265,30 @@ def measure(args, workspace, nodes):
 # ----------------------------------------------------------------------------- the results
 
 
-def draw(terms, table, accum):
-    """The speedup against the rate at one A: measured, and the first-principles model's points and curve."""
-    (compute, latency), table = terms, [row for row in table if row["accum_steps"] == accum]
-    wire_bits, gather_bits = table[0]["wire_bits_per_sync"], table[0]["gather_bits_per_micro_batch"]
-    limited = sorted(row["rate_mbit"] for row in table if row["rate_mbit"] is not None)
-    no_limit_x = math.log10(limited[-1]) + 0.5 if limited else 0
+def variant_label(result):
+    setup = result["setup"]
+    return setup["strategy"] + ("" if setup["comm_hook"] == "allreduce" else f" {setup['comm_hook']}")
 
-    def position(rate):
-        return no_limit_x if rate is None else math.log10(rate)
 
+def draw(results):
+    """Every cell of the results in one folder (ddp, its BF16 compression, fsdp: each a run of this script),
+    its measured speedup against the predicted."""
     points = [
         {
-            "label": rate_label(row["rate_mbit"]),
-            "x": position(row["rate_mbit"]),
-            "speedup": row["measured_speedup"],
-            "predicted": row["first_principles"]["speedup"],
+            "label": f"{'inf' if row['rate_mbit'] is None else format(row['rate_mbit'], 'g')}/A{row['accum_steps']}",
+            "series": variant_label(result),
+            "predicted": row["predicted_speedup"],
+            "measured": row["measured_speedup"],
         }
-        for row in table
+        for result in results
+        for row in result["rows"]
     ]
-    curve = []
-    if limited:
-        low, high = math.log10(limited[0]) - 0.3, math.log10(limited[-1]) + 0.3
-        for index in range(61):
-            x = low + (high - low) * index / 60
-            rate = 10**x * 1e6
-            curve.append((x, predicted_speedup(compute + gather_bits / rate, latency + wire_bits / rate, accum)))
-    caption = (
-        f"A = {accum}; c = {compute * 1e3:.0f} ms per micro-batch; s = {latency * 1e3:.0f} ms + "
-        f"{wire_bits / 1e6:.1f} Mbit / R per sync (first principles); half-duplex tbf link"
-        + (f"; FSDP: g = {gather_bits / 1e6:.1f} Mbit / R gathered per micro-batch" if gather_bits else "")
-    )
-    return pictures.speedup_image(
-        "no_sync's speedup over every on a slow link (2 nodes, emulated)", points, curve, accum, caption
+    caption = "each point a cell: rate in Mbit/s (inf: no limit) / A; the link predicted, the rest each run's own clock"
+    return pictures.agreement_image(
+        "no_sync's speedup over a slow link: measured against predicted (2 nodes, emulated)",
+        points,
+        ERROR_BOUND,
+        caption,
     )
 
 
@@ -326,27 +327,31 @@ def inside(args):
         else "no limited rate: nothing to fit"
     )
     print()
-    print_model_table(table, terms[0], args.accum_steps)
+    print_model_table(table, args.accum_steps)
     result = {
         "machine": machine(),
         "torch": torch.__version__,
         "link": f"tbf on a network namespace's loopback (MTU {netns.LINK_MTU}), both directions through one queue",
         "setup": {**setup, "steps": args.steps, "repeats": args.repeats, "data": str(args.data_dir) if args.data_dir else "synthetic",
                   "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
-        "compute_seconds_per_micro_batch": terms[0],
-        "latency_seconds_per_sync": terms[1],
+        "latency_seconds_per_sync": terms[0],
+        "gather_latency_seconds_per_micro_batch": terms[1],
         "wire_bytes_per_payload_byte": WIRE_BYTES_PER_PAYLOAD_BYTE,
+        "error_bound": ERROR_BOUND,
+        "cells": {verdict: sum(cell_verdict(row) == verdict for row in table) for verdict in ("within", "spread", "off")},
         "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},
         "rows": table,
         "runs": rows,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "network-fsdp" if fsdp else "network"
+    name = RESULT_NAMES[args.strategy, args.comm_hook]
     records.write_atomic(args.out / f"{name}.json", records.json_bytes(result))
-    documented = experiment.DOCUMENTED["accum_steps"]
-    image, data = draw(terms, table, documented if documented in args.accum_steps else args.accum_steps[0])
-    records.write_atomic(args.out / f"{name}.png", records.png_bytes(image, {"data": json.dumps(data)}))
-    print(f"wrote {args.out / f'{name}.json'} and {args.out / f'{name}.png'}")
+    # The picture holds every variant measured into this folder so far (each a run of this script).
+    results = [json.loads((args.out / f"{other}.json").read_text()) for other in RESULT_NAMES.values()
+               if (args.out / f"{other}.json").is_file()]  # fmt: skip
+    image, data = draw(results)
+    records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
+    print(f"wrote {args.out / f'{name}.json'} and {args.out / 'network.png'}")
 
 
 def main():

@@ -1,16 +1,19 @@
-"""The link model of benchmarks/bench_network.py: what a window costs in each mode over a link of rate R, two
-ways (from first principles, and from the sync time measured at that rate), and the tables that compare them
-with the measurement. No runs here: bench_network.py measures, this module predicts.
+"""The link model of benchmarks/bench_network.py: what a window costs in each mode over a link of rate R, and
+the tables that compare it with the measurement. No runs here: bench_network.py measures, this module predicts.
 
 A window costs A(c + s) under `every` and Ac + s under `no_sync`: A = accum_steps, c = compute per micro-batch,
-s = seconds per sync. From first principles, s = L + W / R, with c and the latency term L measured once on the
-runs without a link limit and W the bits one sync puts through the link: the audit's bytes per sync, sent by
-both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half in its
-all-gather), framed as TCP/IP over Ethernet. Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter
-per unit, which gloo runs as an all-reduce of the whole padded gradient (the profiler's gloo:all_reduce events):
-W = both ranks' handed bytes, as DDP's; and every micro-batch also all-gathers the units, in both modes:
-g = G / R more per micro-batch, G both ranks' shards (A(c + g + s) against A(c + g) + s; the gathers' unlimited
-cost is inside c).
+s = seconds per sync. Only the link is predicted; the rest is each run's own clock, so that the compute's drift
+between runs is not counted as the model's error:
+- c, the buffer broadcasts and the ranks' wait for one another at the syncs (the skew a sync absorbs: the
+  audit's sync_wait_seconds) are measured in the run itself;
+- s = L + W / R: L, the link's time per sync without a limit (the syncs' time less the ranks' wait), measured
+  once on the unlimited runs; W the bits one sync puts through the link: the audit's bytes per sync, sent by
+  both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half in its
+  all-gather), framed as TCP/IP over Ethernet.
+Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter per unit, which gloo runs as an all-reduce
+of the whole padded gradient (the profiler's gloo:all_reduce events): W = both ranks' handed bytes, as DDP's;
+and every micro-batch also all-gathers the units, in both modes: L_g + G / R more per micro-batch, G both
+ranks' shards and L_g their time without a limit.
 
 Run as a command, it is a calculator for a user's own cluster (the benchmark checks the same functions on two
 nodes over an emulated link):
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.cli import ArgumentParser, non_negative_float, positive_float, positive_int  # noqa: E402
 from tools import netns  # noqa: E402
 
+ERROR_BOUND = 0.10  # the model's aim: each cell's predicted speedup within 10 % of the measured
 SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table
 # On the emulated link each 1,448-byte TCP payload (the MTU less 20 bytes of IP, 20 of TCP and 12 of its
 # timestamp option) travels in a 1,514-byte frame (the loopback's 14-byte Ethernet header), and every second
@@ -36,21 +40,6 @@ WIRE_BYTES_PER_PAYLOAD_BYTE = (netns.LINK_MTU + 14 + 66 / 2) / TCP_PAYLOAD
 
 def rate_label(rate):
     return "unlimited" if rate is None else f"{rate:g} Mbit/s"
-
-
-def unlimited_terms(rows):
-    """c and L, measured once: on the unlimited runs (every A, both modes), the seconds per micro-batch outside
-    collectives and the seconds per sync."""
-    runs = [run for row in rows if row["rate_mbit"] is None for run in row["runs"].values()]
-    micro_batches = sum(
-        run["optimizer_steps"] * row["accum_steps"]
-        for row in rows
-        if row["rate_mbit"] is None
-        for run in row["runs"].values()
-    )
-    compute = sum(run["epoch_seconds"] - run["comm_seconds"] for run in runs) / micro_batches
-    latency = sum(run["comm_seconds"] for run in runs) / sum(run["gradient_syncs"] for run in runs)
-    return compute, latency
 
 
 def ring_wire_bits(gradient_bytes, world_size, shared_link):
@@ -77,48 +66,108 @@ def step_seconds(mode, compute, sync_seconds, accum, gather_seconds=0.0):
     return accum * (per_micro_batch + sync_seconds) if mode == "every" else accum * per_micro_batch + sync_seconds
 
 
+def link_seconds(sample):
+    """A run's time in the syncs less the ranks' wait for one another there: the link's part."""
+    return sample["sync_seconds"] - sample["sync_wait_seconds"]
+
+
+def unlimited_terms(rows):
+    """L and L_g, measured once on the unlimited runs (every A, both modes): the link's seconds per sync and,
+    under FSDP, per micro-batch of all-gathers."""
+    samples = [
+        (row["accum_steps"], run, sample)
+        for row in rows
+        if row["rate_mbit"] is None
+        for run in row["runs"].values()
+        for sample in run["samples"]
+    ]
+    latency = sum(link_seconds(sample) for _, _, sample in samples) / sum(
+        run["gradient_syncs"] for _, run, _ in samples
+    )
+    gathers = sum(sample["all_gather_seconds"] for _, _, sample in samples)
+    return latency, gathers / sum(run["optimizer_steps"] * accum for accum, run, _ in samples)
+
+
+def predicted_epoch_seconds(sample, run, accum, terms, bits, rate):
+    """One run's training seconds: its own clock for all but the link (its compute, buffer broadcasts and the
+    ranks' waits, measured), and the link predicted: each sync L + W / R, under FSDP each micro-batch's
+    all-gathers L_g + G / R."""
+    (latency, gather_latency), (wire_bits, gather_bits) = terms, bits
+    per_bit = 0 if rate is None else 1 / rate
+    own = sample["epoch_seconds"] - link_seconds(sample) - sample["all_gather_seconds"]
+    micro_batches = run["optimizer_steps"] * accum
+    syncs = run["gradient_syncs"] * (latency + wire_bits * per_bit)
+    return own + syncs + micro_batches * (gather_latency + gather_bits * per_bit)
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def spread(values):
+    """(max - min) / mean: how far a cell's repeats lie apart."""
+    return (max(values) - min(values)) / mean(values)
+
+
+def run_inputs(run, accum):
+    """What the model took from a run's own clock, per micro-batch and per sync (means over its repeats)."""
+    micro_batches, syncs = run["optimizer_steps"] * accum, run["gradient_syncs"]
+    return {
+        "compute_ms": mean([sample["epoch_seconds"] - sample["comm_seconds"] for sample in run["samples"]])
+        / micro_batches
+        * 1e3,
+        "wait_ms_per_sync": mean([sample["sync_wait_seconds"] for sample in run["samples"]]) / syncs * 1e3,
+        "link_ms_per_sync": mean([link_seconds(sample) for sample in run["samples"]]) / syncs * 1e3,
+    }
+
+
 def analyse(rows, gathered_bytes=0):
     """The table, from the runs; gathered_bytes: what one rank hands to a micro-batch's all-gathers (FSDP)."""
-    compute, latency = unlimited_terms(rows)
+    terms = unlimited_terms(rows)
     gather_bits = 2 * gathered_bytes * 8 * WIRE_BYTES_PER_PAYLOAD_BYTE  # both ranks' shards
     table = []
     for row in rows:
         accum, runs = row["accum_steps"], row["runs"]
-        sync_seconds = sum(run["comm_seconds"] for run in runs.values()) / sum(
-            run["gradient_syncs"] for run in runs.values()
-        )
-        wire_bits = wire_bits_per_sync(runs)
         rate = None if row["rate_mbit"] is None else row["rate_mbit"] * 1e6
-        link_seconds = latency + (0 if rate is None else wire_bits / rate)
-        gather_seconds = 0 if rate is None else gather_bits / rate
-        step = {mode: run["epoch_seconds"] / run["optimizer_steps"] for mode, run in runs.items()}
-        first = {mode: step_seconds(mode, compute, link_seconds, accum, gather_seconds) for mode in runs}
-        measured = step["every"] / step["no_sync"]
-        predicted = predicted_speedup(compute + gather_seconds, sync_seconds, accum)
+        wire_bits = wire_bits_per_sync(runs)
+        measured, predicted = {}, {}
+        for mode, run in runs.items():
+            steps = run["optimizer_steps"]
+            measured[mode] = [sample["epoch_seconds"] / steps for sample in run["samples"]]
+            predicted[mode] = [
+                predicted_epoch_seconds(sample, run, accum, terms, (wire_bits, gather_bits), rate) / steps
+                for sample in run["samples"]
+            ]
+        speedup = mean(measured["every"]) / mean(measured["no_sync"])
+        predicted_speedup_ = mean(predicted["every"]) / mean(predicted["no_sync"])
+        repeat_speedups = [every / no_sync for every, no_sync in zip(measured["every"], measured["no_sync"])]
         table.append(
             {
                 "rate_mbit": row["rate_mbit"],
                 "accum_steps": accum,
-                "every_step_seconds": step["every"],
-                "no_sync_step_seconds": step["no_sync"],
-                "seconds_per_sync": sync_seconds,
                 "gradient_syncs": {mode: run["gradient_syncs"] for mode, run in runs.items()},
                 "optimizer_steps": {mode: run["optimizer_steps"] for mode, run in runs.items()},
                 "wire_bits_per_sync": wire_bits,
                 "gather_bits_per_micro_batch": gather_bits,
-                "first_principles": {
-                    "seconds_per_sync": link_seconds,
-                    "every_step_seconds": first["every"],
-                    "no_sync_step_seconds": first["no_sync"],
-                    "speedup": first["every"] / first["no_sync"],
-                    "step_errors": {mode: first[mode] / step[mode] - 1 for mode in runs},
+                "predicted_ms_per_sync": (terms[0] + (0 if rate is None else wire_bits / rate)) * 1e3,
+                "inputs": {mode: run_inputs(run, accum) for mode, run in runs.items()},
+                "step_seconds": {
+                    mode: {
+                        "measured": mean(measured[mode]),
+                        "spread": spread(measured[mode]),
+                        "predicted": mean(predicted[mode]),
+                        "error": mean(predicted[mode]) / mean(measured[mode]) - 1,
+                    }
+                    for mode in runs
                 },
-                "measured_speedup": measured,
-                "predicted_speedup": predicted,
-                "relative_error": predicted / measured - 1,
+                "measured_speedup": speedup,
+                "repeat_speedups": repeat_speedups,
+                "speedup_spread": spread(repeat_speedups),
+                "predicted_speedup": predicted_speedup_,
+                "relative_error": predicted_speedup_ / speedup - 1,
             }
         )
-    return (compute, latency), table
+    return terms, table
 
 
 def predicted_speedup(compute, sync_seconds, accum):
@@ -126,47 +175,77 @@ def predicted_speedup(compute, sync_seconds, accum):
 
 
 def link_fit(table):
-    """s(R) = s_unlimited + V / R: V, the bits a synchronized micro-batch puts through the link, by least squares
-    (the check on W: the fitted V next to the first-principles bits)."""
-    unlimited = [row["seconds_per_sync"] for row in table if row["rate_mbit"] is None]
-    s_unlimited = sum(unlimited) / len(unlimited)
-    limited = [row for row in table if row["rate_mbit"] is not None]
+    """s(R) = s_unlimited + V / R: V, the bits a sync puts through the link, by least squares over the cells'
+    link time per sync (the check on W: the fitted V next to the first-principles bits)."""
+    per_sync = [
+        (row["rate_mbit"], mean([row["inputs"][mode]["link_ms_per_sync"] for mode in row["inputs"]]) / 1e3)
+        for row in table
+    ]
+    s_unlimited = mean([seconds for rate, seconds in per_sync if rate is None])
+    limited = [(rate, seconds) for rate, seconds in per_sync if rate is not None]
     if not limited:
         return s_unlimited, None
-    inverse = [1 / (row["rate_mbit"] * 1e6) for row in limited]
-    extra = [row["seconds_per_sync"] - s_unlimited for row in limited]
+    inverse = [1 / (rate * 1e6) for rate, _ in limited]
+    extra = [seconds - s_unlimited for _, seconds in limited]
     return s_unlimited, sum(e * i for e, i in zip(extra, inverse)) / sum(i * i for i in inverse)
 
 
+def cell_verdict(row):
+    """Within the bound, or the repeats' spread wider than it (the cell's noise, reported as such), or off."""
+    if abs(row["relative_error"]) <= ERROR_BOUND:
+        return "within"
+    return "spread" if row["speedup_spread"] > ERROR_BOUND else "off"
+
+
 def print_table(terms, table):
-    compute, latency = terms
+    latency, gather_latency = terms
     print(
-        f"measured once, unlimited: c = {compute * 1e3:.1f} ms compute per micro-batch, L = {latency * 1e3:.1f} ms "
-        f"per sync; W = both ranks' bytes x 8 x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f} (framing)"
+        f"measured once, unlimited: L = {latency * 1e3:.1f} ms link time per sync"
+        + (f", L_g = {gather_latency * 1e3:.1f} ms of all-gathers per micro-batch" if gather_latency else "")
+        + f"; W = both ranks' bytes x 8 x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f} (framing); each run's own c and wait"
     )
     print(
-        "| link | A | every s/step | first principles | no_sync s/step | first principles | syncs every/no_sync | "
-        "measured speedup | first principles | from measured s: A(c+s)/(Ac+s) |"
+        "| link | A | every s/step (spread) | predicted | no_sync s/step (spread) | predicted | syncs every/no_sync | "
+        "speedup (spread) | predicted | c ms every/no_sync | wait ms per sync every/no_sync |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in table:
-        syncs, first = row["gradient_syncs"], row["first_principles"]
-        errors = first["step_errors"]
+        steps, inputs, syncs = row["step_seconds"], row["inputs"], row["gradient_syncs"]
+        cells = [
+            f"{steps[mode]['measured']:.3f} ({steps[mode]['spread'] * 100:.0f}%) | {steps[mode]['predicted']:.3f} "
+            f"({steps[mode]['error'] * 100:+.1f}%)"
+            for mode in ("every", "no_sync")
+        ]
+        flag = {"within": "", "spread": " spread", "off": " OFF"}[cell_verdict(row)]
         print(
-            f"| {rate_label(row['rate_mbit'])} | {row['accum_steps']} | {row['every_step_seconds']:.3f} | "
-            f"{first['every_step_seconds']:.3f} ({errors['every'] * 100:+.1f}%) | {row['no_sync_step_seconds']:.3f} | "
-            f"{first['no_sync_step_seconds']:.3f} ({errors['no_sync'] * 100:+.1f}%) | {syncs['every']}/{syncs['no_sync']} | "
-            f"{row['measured_speedup']:.2f}x | {first['speedup']:.2f}x ({first['speedup'] / row['measured_speedup'] * 100 - 100:+.1f}%) | "
-            f"{row['predicted_speedup']:.2f}x ({row['relative_error'] * 100:+.1f}%) |"
+            f"| {rate_label(row['rate_mbit'])} | {row['accum_steps']} | {cells[0]} | {cells[1]} | "
+            f"{syncs['every']}/{syncs['no_sync']} | {row['measured_speedup']:.2f}x ({row['speedup_spread'] * 100:.0f}%) | "
+            f"{row['predicted_speedup']:.2f}x ({row['relative_error'] * 100:+.1f}%){flag} | "
+            f"{inputs['every']['compute_ms']:.0f}/{inputs['no_sync']['compute_ms']:.0f} | "
+            f"{inputs['every']['wait_ms_per_sync']:.0f}/{inputs['no_sync']['wait_ms_per_sync']:.0f} |"
         )
+    verdicts = [cell_verdict(row) for row in table]
+    print(
+        f"{verdicts.count('within')} of {len(table)} cells within {ERROR_BOUND:.0%}; "
+        f"{verdicts.count('spread')} outside it whose repeats spread wider than that; {verdicts.count('off')} off"
+    )
 
 
-def print_model_table(table, compute, accums):
-    """The model alone, by s/c and A: when no_sync pays, beside where the measured rates fall."""
-    measured = {(rate_label(row["rate_mbit"]), round(row["seconds_per_sync"] / compute, 2)) for row in table}
+def print_model_table(table, accums):
+    """The model alone, by s/c and A: when no_sync pays, beside where the measured rates fall (r from each
+    rate's cells: the link's time per sync over the compute per micro-batch)."""
+    ratios = {}
+    for row in table:
+        for inputs in row["inputs"].values():
+            ratios.setdefault(rate_label(row["rate_mbit"]), []).append(
+                inputs["link_ms_per_sync"] / inputs["compute_ms"]
+            )
     print(
         "predicted speedup A(1+r)/(A+r) by r = s/c; measured rates: "
-        + ", ".join(f"{label} r = {ratio:.2f}" for label, ratio in sorted(measured, key=lambda item: item[1]))
+        + ", ".join(
+            f"{label} r = {mean(values):.2f}"
+            for label, values in sorted(ratios.items(), key=lambda item: mean(item[1]))
+        )
     )
     print("| A \\ s/c | " + " | ".join(f"{ratio:g}" for ratio in SYNC_TO_COMPUTE_RATIOS) + " |")
     print("|---|" + "---:|" * len(SYNC_TO_COMPUTE_RATIOS))

@@ -28,19 +28,24 @@ def read_clock(device):
     return time.perf_counter()
 
 
+# What the clock sums, by kind: the gradient syncs (DDP's hook calls, FSDP's reduce-scatters), FSDP's all-gathers,
+# and the rest (buffer broadcasts); the link model (benchmarks/link_model.py) predicts the syncs' and the gathers'.
+CLOCK_KINDS = ("sync", "all_gather", "other")
+
+
 class CollectiveClock:
-    """Seconds from collectives' start to their completion on the device, summed.
+    """Seconds from collectives' start to their completion on the device, summed by kind.
 
     On CPU, gloo has finished a collective when its future's callback runs: wall time. On GPU the host only
     queues NCCL's work: CUDA events on the stream, read after a synchronize at the epoch's end. Callbacks of
-    several buckets can run at once on gloo's threads, so the sum is taken under a lock.
+    several buckets can run at once on gloo's threads, so the sums are taken under a lock.
     """
 
     def __init__(self, device_type="cpu"):
         self.on_cuda = device_type == "cuda"
         self.lock = threading.Lock()
-        self.seconds = 0.0
-        self.event_pairs = []  # on GPU: (start, end) events not yet read
+        self.seconds = dict.fromkeys(CLOCK_KINDS, 0.0)
+        self.event_pairs = []  # on GPU: (kind, start, end) events not yet read
 
     def start(self):
         if self.on_cuda:
@@ -49,24 +54,35 @@ class CollectiveClock:
             return event
         return time.perf_counter()
 
-    def stop(self, started):
+    def stop(self, started, kind="other"):
         if self.on_cuda:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()  # in a future's callback, on the stream that ran the collective
             with self.lock:
-                self.event_pairs.append((started, ended))
+                self.event_pairs.append((kind, started, ended))
             return
         elapsed = time.perf_counter() - started
         with self.lock:
-            self.seconds += elapsed
+            self.seconds[kind] += elapsed
 
-    def total(self):
+    def totals(self):
+        """comm_seconds (all collectives), sync_seconds and all_gather_seconds: the audit's totals' timing keys."""
         with self.lock:
             if self.event_pairs:
                 torch.cuda.synchronize()
-                self.seconds += sum(start.elapsed_time(end) for start, end in self.event_pairs) / 1000
+                for kind, start, end in self.event_pairs:
+                    self.seconds[kind] += start.elapsed_time(end) / 1000
                 self.event_pairs.clear()
-            return self.seconds
+            return {
+                "comm_seconds": sum(self.seconds.values()),
+                "sync_seconds": self.seconds["sync"],
+                "all_gather_seconds": self.seconds["all_gather"],
+            }
+
+    def restore(self, totals):
+        """The timing keys of saved totals (resume), taken out of them."""
+        comm, sync, gather = (totals.pop(key) for key in ("comm_seconds", "sync_seconds", "all_gather_seconds"))
+        self.seconds = {"sync": sync, "all_gather": gather, "other": comm - sync - gather}
 
 
 # torch's compressing gradient hooks, by train.py's --comm-hook name: each casts the bucket, all-reduces the
@@ -121,8 +137,7 @@ class CommAudit:
 
     def totals(self):
         totals = {name: getattr(self, name) for name in COUNTS}
-        totals["comm_seconds"] = self.clock.total()
-        return totals
+        return {**totals, **self.clock.totals()}
 
 
 # The step fingerprint: for each of two primes below 2**31, the sum over all values of (the value's float32 bit

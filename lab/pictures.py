@@ -262,46 +262,35 @@ def bar_panels(title, panels, columns=2):
     return image, {"panels": data}
 
 
-def speedup_image(title, points, curve, ceiling, caption):
-    """Speedup against link rate, the rate on a log axis. points: [{"label", "x", "speedup", "predicted"}],
-    measured and predicted at each rate, x the log10 of the rate (or any position for "no limit"); curve: the
-    model's [(x, speedup)] between the rates; ceiling: the largest speedup possible (accum_steps), dashed.
-    Returns (image, data with each point's pixel)."""
-    (width, height), (box,) = panel_grid(1, 1, panel_width=720, panel_height=380)
+def agreement_image(title, points, bound, caption):
+    """Each cell's measured value against its prediction, on the diagonal where they agree, inside the shaded
+    band where within `bound` (relative); points: [{"label", "series", "predicted", "measured"}], a colour per
+    series, the label beside its point. Returns (image, data with each point's pixel)."""
+    (width, height), (box,) = panel_grid(1, 1, panel_width=640, panel_height=440)
     height += 24
     image = Image.new("RGB", (width, height), WHITE)
     draw = ImageDraw.Draw(image)
     centred_text(draw, (width / 2, 20), title, font(18))
-    xs = [x for x, _ in curve] + [point["x"] for point in points]
-    x_range = (min(xs) - 0.15, max(xs) + 0.15)
-    axes = Axes(
-        image, box, x_range, nice_ticks(min(1, *(point["speedup"] for point in points)) - 0.1, ceiling), "every / no_sync, seconds per optimizer step",
-        "link rate (Mbit/s, log scale)", "speedup", x_ticks=[(point["x"], point["label"]) for point in points],
-    )  # fmt: skip
-    dashed_line(draw, (axes.left, axes.y(ceiling)), (axes.right, axes.y(ceiling)), GRID_DARK, 2)
-    predicted, measured = MODE_COLOURS["every"], MODE_COLOURS["no_sync"]
-    curve_pixels = [(axes.x(x), axes.y(speedup)) for x, speedup in curve]
-    for start, end in zip(curve_pixels, curve_pixels[1:]):
-        draw.line((*start, *end), fill=predicted, width=3)
+    values = [point[key] for point in points for key in ("predicted", "measured")]
+    ticks = nice_ticks(min(values) / (1 + bound), max(values) * (1 + bound))
+    axes = Axes(image, box, (ticks[0], ticks[-1]), ticks, f"the diagonal: exact; shaded: within {bound:.0%}",
+                "predicted", "measured", x_ticks=[(tick, tick_label(tick)) for tick in ticks])  # fmt: skip
+    low, high = ticks[0], ticks[-1]
+    band = [(low, low * (1 + bound)), (high, high * (1 + bound)), (high, high / (1 + bound)), (low, low / (1 + bound))]
+    draw.polygon([(axes.x(x), axes.y(min(max(y, low), high))) for x, y in band], fill=GRID)
+    draw.line((axes.x(low), axes.y(low), axes.x(high), axes.y(high)), fill=GRID_DARK, width=2)
+    draw.rectangle(box, outline=INK)
+    series = list(dict.fromkeys(point["series"] for point in points))
+    colours = dict(zip(series, (*MODE_COLOURS.values(), (44, 160, 44), (148, 103, 189))))
     drawn = []
     for point in points:
-        x, y = axes.x(point["x"]), axes.y(point["speedup"])
-        predicted_y = axes.y(point["predicted"])
-        draw.ellipse((x - 7, y - 7, x + 7, y + 7), fill=measured)
-        draw.ellipse((x - 4, predicted_y - 4, x + 4, predicted_y + 4), fill=predicted)
-        draw.text((x + 10, y - 10), f"{point['speedup']:.2f}x", font=font(13), fill=INK, anchor="lb")
-        drawn.append({**point, "pixel": [x, y], "predicted_pixel": [x, predicted_y]})
-    legend(
-        draw,
-        (box[0], height - 50),
-        [
-            ("measured", measured, False),
-            ("predicted A(c+s)/(Ac+s)", predicted, False),
-            (f"ceiling A = {ceiling}", GRID_DARK, True),
-        ],
-    )
+        x, y = axes.x(point["predicted"]), axes.y(point["measured"])
+        draw.ellipse((x - 5, y - 5, x + 5, y + 5), fill=colours[point["series"]])
+        draw.text((x + 8, y), point["label"], font=font(11), fill=INK, anchor="lm")
+        drawn.append({**point, "pixel": [x, y]})
+    legend(draw, (box[0], height - 50), [(name, colours[name], False) for name in series])
     draw.text((box[0], height - 22), caption, font=font(13), fill=INK, anchor="lm")
-    return image, {"points": drawn, "curve": [list(pixel) for pixel in curve_pixels]}
+    return image, {"points": drawn, "bound": bound}
 
 
 COMPUTE_SHADES = ((176, 196, 222), (135, 160, 196))  # alternate micro-batches, so each one's edges show

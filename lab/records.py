@@ -268,11 +268,15 @@ def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id,
     rank's (every rank takes part in every collective, so they are the same on all).
     """
     trace, before = epoch.trace, epoch.audit_before
-    comm_seconds = after["comm_seconds"] - before["comm_seconds"]
-    seconds = torch.tensor([*phase_seconds, comm_seconds], dtype=torch.float64, device=device)
+    clocked = [after[key] - before[key] for key in ("comm_seconds", "sync_seconds", "all_gather_seconds")]
+    seconds = torch.tensor([*phase_seconds, *clocked], dtype=torch.float64, device=device)
     summed = torch.cat([epoch.totals, seconds])
     dist.all_reduce(summed, group=group)
-    loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, comm_seconds_sum = summed.tolist()
+    loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, *clocked_sums = summed.tolist()
+    comm_seconds_sum, sync_seconds_sum, all_gather_seconds_sum = clocked_sums
+    # The least time any rank spent in the syncs: the rest of the mean is the ranks waiting for one another there.
+    fastest_sync = torch.tensor([clocked[1]], dtype=torch.float64, device=device)
+    dist.all_reduce(fastest_sync, op=dist.ReduceOp.MIN, group=group)
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
     return {
@@ -286,6 +290,9 @@ def epoch_row(epoch, mode, validation, after, phase_seconds, peak_bytes, run_id,
         "validation_accuracy": validation_accuracy,
         **{key: after[key] - before[key] for key in COUNTS if key != "gradient_syncs"},
         "comm_seconds": comm_seconds_sum / world_size,
+        "sync_seconds": sync_seconds_sum / world_size,
+        "sync_wait_seconds": max(sync_seconds_sum / world_size - fastest_sync.item(), 0.0),
+        "all_gather_seconds": all_gather_seconds_sum / world_size,
         "epoch_seconds": epoch_seconds_sum / world_size,
         "train_images_per_second": count / (epoch_seconds_sum / world_size),
         "validation_seconds": validation_seconds_sum / world_size,

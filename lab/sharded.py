@@ -173,14 +173,14 @@ class CollectiveCounter:
             handed = kwargs.get("input_tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
             if audit is not None:
                 self.count(audit, kind, handed)
-            started = audit.clock.start() if audit is not None and kind == "reduce_scatter" else None
+            started = audit.clock.start() if audit is not None else None
             self.depth.value = getattr(self.depth, "value", 0) + 1
             try:
                 return collective(*args, **kwargs)
             finally:
                 self.depth.value -= 1
-                if started is not None:  # timed as DDP's all-reduce is (the all-gathers are not)
-                    audit.clock.stop(started)
+                if started is not None:  # a reduce-scatter is a sync, as DDP's all-reduce is
+                    audit.clock.stop(started, "sync" if kind == "reduce_scatter" else "all_gather")
 
         return call
 

@@ -42,7 +42,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nn
 SOURCE_IMAGES, TEST_IMAGES = 200, 100
 SMALL_RUN = ["--epochs", "2", "--batch-size", "4", "--accum-steps", "4", "--device", "cpu"]
 # A history row's fields that measure time: they differ between reruns that agree on everything else.
-TIMING = {"comm_seconds", "epoch_seconds", "train_images_per_second", "validation_seconds", "run_id"}
+TIMING = {
+    "comm_seconds",
+    "sync_seconds",
+    "sync_wait_seconds",
+    "all_gather_seconds",
+    "epoch_seconds",
+    "train_images_per_second",
+    "validation_seconds",
+    "run_id",
+}
 
 
 def subprocess_env(**variables):

@@ -5,9 +5,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from conftest import REPO, assert_one_line_error, run_python
 
@@ -15,89 +15,115 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_network  # noqa: E402
 import link_model  # noqa: E402
 
+FRAMING = (1514 + 33) / 1448  # a 1,514-byte frame per 1,448 bytes of TCP payload, a 66-byte ACK every second
 
-def history_row(epoch_seconds, comm_seconds, syncs, steps):
+
+def run(syncs, steps, *samples, sent=1_000_000, **counts):
+    """One mode in one cell: its counts, and each repeat's (epoch, comm, sync, wait, all-gather) seconds."""
+    keys = ("epoch_seconds", "comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds")
     return {
-        "epoch_seconds": epoch_seconds,
-        "comm_seconds": comm_seconds,
         "gradient_syncs": syncs,
         "optimizer_steps": steps,
-        "allreduce_bytes": syncs * 1_000_000,
+        "allreduce_bytes": syncs * sent,
+        **counts,
+        "samples": [dict(zip(keys, sample)) for sample in samples],
     }
 
 
 def slow_link_rows():
-    """c = 0.25 s per micro-batch; s = 0.01 s unlimited and 0.25 s on the slow link; 8 micro-batches, 2 steps."""
+    """2 steps of A = 4: c = 0.25 s per micro-batch; each sync's link time 0.01 s unlimited and 0.2 s on the slow
+    link, where the ranks also wait 0.05 s for one another at each sync."""
     return [
-        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": history_row(2.08, 0.08, 8, 2), "no_sync": history_row(2.02, 0.02, 2, 2)}},
-        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": history_row(4.0, 2.0, 8, 2), "no_sync": history_row(2.5, 0.5, 2, 2)}},
+        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": run(8, 2, (2.08, 0.08, 0.08, 0, 0)), "no_sync": run(2, 2, (2.02, 0.02, 0.02, 0, 0))}},
+        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": run(8, 2, (4.0, 2.0, 2.0, 0.4, 0)), "no_sync": run(2, 2, (2.5, 0.5, 0.5, 0.1, 0))}},
     ]  # fmt: skip
 
 
-def test_the_model_predicts_from_compute_and_sync_time():
-    rows = slow_link_rows()
-    (compute, latency), table = link_model.analyse(rows)
-    assert compute == pytest.approx(0.25) and latency == pytest.approx(0.01)
+def test_the_model_predicts_the_link_and_takes_the_rest_from_each_runs_own_clock():
+    (latency, gather_latency), table = link_model.analyse(slow_link_rows())
+    assert latency == pytest.approx(0.01) and gather_latency == 0
     slow = table[1]
-    assert slow["seconds_per_sync"] == pytest.approx(0.25)
-    assert slow["measured_speedup"] == pytest.approx(4.0 / 2.5)
-    assert slow["predicted_speedup"] == pytest.approx(4 * 0.5 / (4 * 0.25 + 0.25))  # A(c+s)/(Ac+s) = 1.6
-    assert slow["relative_error"] == pytest.approx(1.6 / 1.6 - 1)
-    s_unlimited, bits = link_model.link_fit(table)
-    assert s_unlimited == pytest.approx(0.01) and bits == pytest.approx(0.24 * 50e6)
-    # From first principles: each sync puts both ranks' 1,000,000 bytes through the link, framed: 1,514-byte
-    # frames for 1,448 bytes of payload and a 66-byte ACK every second segment; s = L + W / R.
-    wire_bits = 2 * 1_000_000 * 8 * (1514 + 33) / 1448
+    # Each sync puts both ranks' 1,000,000 bytes through the link, framed; s = L + W / R.
+    wire_bits = 2 * 1_000_000 * 8 * FRAMING
     assert slow["wire_bits_per_sync"] == pytest.approx(wire_bits)
-    first = slow["first_principles"]
     sync = 0.01 + wire_bits / 50e6
-    assert first["seconds_per_sync"] == pytest.approx(sync)
-    assert first["every_step_seconds"] == pytest.approx(4 * (0.25 + sync))
-    assert first["no_sync_step_seconds"] == pytest.approx(4 * 0.25 + sync)
-    assert first["step_errors"]["every"] == pytest.approx(4 * (0.25 + sync) / 2.0 - 1)
+    assert slow["predicted_ms_per_sync"] == pytest.approx(sync * 1e3)
+    # The run's own clock: all but the link's part of the syncs (the sync time less the ranks' wait).
+    every = (4.0 - (2.0 - 0.4) + 8 * sync) / 2
+    no_sync = (2.5 - (0.5 - 0.1) + 2 * sync) / 2
+    steps = slow["step_seconds"]
+    assert steps["every"]["predicted"] == pytest.approx(every) and steps["no_sync"]["predicted"] == pytest.approx(
+        no_sync
+    )
+    assert steps["every"]["error"] == pytest.approx(every / 2.0 - 1)
+    assert slow["measured_speedup"] == pytest.approx(4.0 / 2.5)
+    assert slow["predicted_speedup"] == pytest.approx(every / no_sync)
+    assert slow["relative_error"] == pytest.approx(every / no_sync / 1.6 - 1)
+    assert slow["inputs"]["every"] == pytest.approx(
+        {"compute_ms": 250, "wait_ms_per_sync": 50, "link_ms_per_sync": 200}
+    )
+    # The unlimited cell: its own link time is the latency itself, so the prediction is the measurement.
+    assert table[0]["relative_error"] == pytest.approx(0)
+    s_unlimited, bits = link_model.link_fit(table)
+    assert s_unlimited == pytest.approx(0.01) and bits == pytest.approx(0.19 * 50e6)
+
+
+def test_repeats_that_spread_wider_than_the_bound_are_reported_as_such():
+    """Two repeats per mode: the cell's spread is that of the repeats' speedups; a cell off by more than 10 %
+    is "spread" when its repeats lie further apart than that, else "off"."""
+    rows = slow_link_rows()
+    rows[1]["runs"]["every"] = run(8, 2, (4.0, 2.0, 2.0, 0.4, 0), (4.0, 2.0, 2.0, 0.4, 0))
+    rows[1]["runs"]["no_sync"] = run(2, 2, (2.5, 0.5, 0.5, 0.1, 0), (2.0, 0.5, 0.5, 0.1, 0))
+    _, table = link_model.analyse(rows)
+    slow = table[1]
+    assert slow["repeat_speedups"] == pytest.approx([1.6, 2.0])
+    assert slow["speedup_spread"] == pytest.approx(0.4 / 1.8)  # of the repeats' mean
+    assert slow["step_seconds"]["no_sync"]["spread"] == pytest.approx(0.25 / 1.125)
+    assert link_model.cell_verdict(table[0]) == "within"
+    assert link_model.cell_verdict({**slow, "relative_error": 0.15}) == "spread"
+    assert link_model.cell_verdict({**slow, "relative_error": 0.15, "speedup_spread": 0.05}) == "off"
 
 
 def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
     """--strategy fsdp: a sync reduce-scatters (gloo runs it as an all-reduce: both ranks' handed bytes), and every
-    micro-batch all-gathers both ranks' shards, in both modes."""
-    fsdp = {"allreduce_bytes": 0, "reduce_scatter_bytes": 8 * 1_000_000}
+    micro-batch all-gathers both ranks' shards, in both modes: L_g from the unlimited runs, G / R more on a link."""
+    fsdp = {"allreduce_bytes": 0}
     rows = [
-        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": {**history_row(2.08, 0.08, 8, 2), **fsdp}, "no_sync": {**history_row(2.02, 0.02, 2, 2), **fsdp, "reduce_scatter_bytes": 2 * 1_000_000}}},
-        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": {**history_row(4.0, 2.0, 8, 2), **fsdp}, "no_sync": {**history_row(2.5, 0.5, 2, 2), **fsdp, "reduce_scatter_bytes": 2 * 1_000_000}}},
+        {"rate_mbit": None, "accum_steps": 4, "runs": {
+            "every": run(8, 2, (2.24, 0.24, 0.08, 0, 0.16), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
+            "no_sync": run(2, 2, (2.18, 0.18, 0.02, 0, 0.16), **fsdp, reduce_scatter_bytes=2 * 1_000_000)}},
+        {"rate_mbit": 50, "accum_steps": 4, "runs": {
+            "every": run(8, 2, (6.0, 4.0, 2.0, 0.4, 2.0), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
+            "no_sync": run(2, 2, (4.5, 2.5, 0.5, 0.1, 2.0), **fsdp, reduce_scatter_bytes=2 * 1_000_000)}},
     ]  # fmt: skip
-    _, table = link_model.analyse(rows, gathered_bytes=500_000)
-    framing = (1514 + 33) / 1448
+    (latency, gather_latency), table = link_model.analyse(rows, gathered_bytes=500_000)
+    assert latency == pytest.approx(0.01) and gather_latency == pytest.approx(0.32 / 16)
     slow = table[1]
-    assert slow["wire_bits_per_sync"] == pytest.approx(2 * 1_000_000 * 8 * framing)
-    assert slow["gather_bits_per_micro_batch"] == pytest.approx(2 * 500_000 * 8 * framing)
-    sync, gather = 0.01 + 16e6 * framing / 50e6, 8e6 * framing / 50e6
-    first = slow["first_principles"]
-    assert first["every_step_seconds"] == pytest.approx(4 * (0.25 + gather + sync))
-    assert first["no_sync_step_seconds"] == pytest.approx(4 * (0.25 + gather) + sync)
+    assert slow["wire_bits_per_sync"] == pytest.approx(2 * 1_000_000 * 8 * FRAMING)
+    assert slow["gather_bits_per_micro_batch"] == pytest.approx(2 * 500_000 * 8 * FRAMING)
+    sync, gather = 0.01 + 16e6 * FRAMING / 50e6, 0.02 + 8e6 * FRAMING / 50e6
+    steps = slow["step_seconds"]
+    assert steps["every"]["predicted"] == pytest.approx((6.0 - 1.6 - 2.0 + 8 * sync + 8 * gather) / 2)
+    assert steps["no_sync"]["predicted"] == pytest.approx((4.5 - 0.4 - 2.0 + 2 * sync + 8 * gather) / 2)
 
 
 def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_ranks():
-    """benchmarks/link_model.py as a command: on two ranks sharing one half-duplex link it is the benchmark's own
-    first-principles prediction; for N ranks each sends 2(N-1)/N of the bytes."""
-    rows = slow_link_rows()
-    (compute, latency), table = link_model.analyse(rows)
-    first = table[1]["first_principles"]
-    sync, steps, speedup = link_model.calculate(1_000_000, compute, 50, latency, 2, 4, shared_link=True)
-    assert sync == pytest.approx(first["seconds_per_sync"])
-    assert steps == pytest.approx({"every": first["every_step_seconds"], "no_sync": first["no_sync_step_seconds"]})
-    assert speedup == pytest.approx(first["speedup"])
-    framing = (1514 + 33) / 1448
-    assert link_model.ring_wire_bits(1e6, 8, shared_link=False) == pytest.approx(2 * 7 / 8 * 1e6 * 8 * framing)
-    assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * framing)
+    """benchmarks/link_model.py as a command: on two ranks sharing one half-duplex link its sync is the
+    benchmark's predicted one; for N ranks each sends 2(N-1)/N of the bytes."""
+    (latency, _), table = link_model.analyse(slow_link_rows())
+    sync, steps, speedup = link_model.calculate(1_000_000, 0.25, 50, latency, 2, 4, shared_link=True)
+    assert sync * 1e3 == pytest.approx(table[1]["predicted_ms_per_sync"])
+    assert steps == pytest.approx({"every": 4 * (0.25 + sync), "no_sync": 4 * 0.25 + sync})
+    assert speedup == pytest.approx(steps["every"] / steps["no_sync"])
+    assert link_model.ring_wire_bits(1e6, 8, shared_link=False) == pytest.approx(2 * 7 / 8 * 1e6 * 8 * FRAMING)
+    assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * FRAMING)
     result = run_python(
         "benchmarks/link_model.py", "--gradient-mb", "1", "--compute-ms", "250", "--rate-mbit", "50",
         "--sync-latency-ms", "10", "--accum-steps", "4", "--shared-link",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert f"| every | {first['every_step_seconds']:.3f} |" in result.stdout
-    assert (
-        result.stdout.splitlines()[-1] == f"no_sync: {first['speedup']:.2f}x faster per optimizer step (at most A = 4x)"
-    )
+    assert f"| every | {steps['every']:.3f} |" in result.stdout
+    assert result.stdout.splitlines()[-1] == f"no_sync: {speedup:.2f}x faster per optimizer step (at most A = 4x)"
     assert_one_line_error(
         run_python("benchmarks/link_model.py", "--gradient-mb", "0", "--compute-ms", "1", "--rate-mbit", "1"),
         "argument --gradient-mb: must be more than 0, got 0",
@@ -159,19 +185,22 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
         return
     assert result.returncode == 0, result.stdout + result.stderr
     assert "clean-up: no process left in the benchmark's namespace" in result.stderr
-    record = json.loads((tmp_path / "network.json").read_text())
+    record = json.loads((tmp_path / "network-bf16.json").read_text())
     assert [row["rate_mbit"] for row in record["rows"]] == [None, 50]
     for row in record["rows"]:
         assert row["accum_steps"] == 2 and row["gradient_syncs"] == {"every": 2, "no_sync": 1}
         assert row["optimizer_steps"] == {"every": 1, "no_sync": 1}
         # BF16 compression: both ranks' 1,117,076 bytes, framed: 19.1 Mbit through the link per sync.
-        assert row["wire_bits_per_sync"] == pytest.approx(2 * 1_117_076 * 8 * (1514 + 33) / 1448)
+        assert row["wire_bits_per_sync"] == pytest.approx(2 * 1_117_076 * 8 * FRAMING)
+        for inputs in row["inputs"].values():
+            assert inputs["compute_ms"] > 0 and 0 <= inputs["wait_ms_per_sync"] and inputs["link_ms_per_sync"] > 0
     slow = record["rows"][1]
-    # 0.38 s at 50 Mbit/s, whatever the compute (the unlimited sync's time depends on it: it includes the wait
-    # for the slower rank).
-    assert slow["seconds_per_sync"] > 0.3 and slow["first_principles"]["seconds_per_sync"] > 0.38
+    # 0.38 s at 50 Mbit/s, whatever the compute: the link's time per sync, measured and predicted.
+    assert slow["inputs"]["every"]["link_ms_per_sync"] > 300 and slow["predicted_ms_per_sync"] > 380
     assert slow["measured_speedup"] > 1.1
-    assert Path(tmp_path / "network.png").stat().st_size > 0
+    assert sum(record["cells"].values()) == 2
+    picture = Image.open(tmp_path / "network.png")
+    assert [point["series"] for point in json.loads(picture.text["data"])["points"]] == ["ddp bf16"] * 2
     assert not [
         line for line in os.popen("ps -eo args").read().splitlines() if "bench-network-" in line
     ]  # its workspace

@@ -116,15 +116,16 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     stops_per_thread = 2_000
 
     def stop_many():
-        for _ in range(stops_per_thread):
-            clock.stop(0.0)
+        for index in range(stops_per_thread):
+            clock.stop(0.0, "sync" if index % 2 else "other")
 
     threads = [threading.Thread(target=stop_many) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert clock.total() == 8 * stops_per_thread
+    totals = clock.totals()
+    assert (totals["comm_seconds"], totals["sync_seconds"]) == (8 * stops_per_thread, 4 * stops_per_thread)
 
 
 @pytest.mark.parametrize(

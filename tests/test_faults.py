@@ -15,6 +15,7 @@ from conftest import (
     assert_one_line_error,
     assert_train_error,
     read_json,
+    run_in_process,
     run_python,
     start_train,
     subprocess_env,
@@ -50,7 +51,7 @@ def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
 )
 def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
     args = {"--mode": "every", "--output": str(tmp_path / "out"), option: value}
-    result = run_python("train.py", *[part for pair in args.items() for part in pair])
+    result = run_in_process("train.py", *[part for pair in args.items() for part in pair])
     line = assert_one_line_error(result, message)
     assert line.startswith("train.py: error: ") and "--help" in line
 

@@ -61,6 +61,9 @@ def test_the_fsdp_pair_passes_the_audit_with_derived_counts(fsdp_runs):
         assert row["all_gathers"] == 20 * 11 + 5 * 5 + 1
         assert row["sync_bucket_calls"] == row["allreduce_bytes"] == 0
         assert row["steps_with_ranks_agreed"] is None  # shards: no copies to compare
+        # The clock by kind: the reduce-scatters are the syncs; the all-gathers, the broadcasts and they the whole.
+        assert 0 < row["sync_seconds"] < row["comm_seconds"] and 0 < row["all_gather_seconds"] < row["comm_seconds"]
+        assert row["sync_seconds"] + row["all_gather_seconds"] < row["comm_seconds"]
     assert [row["reduce_scatters"] for row in every] == [120, 120]
     assert [row["reduce_scatters"] for row in no_sync] == [30, 30]
     assert every[0]["reduce_scatter_bytes"] == 4 * no_sync[0]["reduce_scatter_bytes"] == 4 * 5 * 558_538 * 4

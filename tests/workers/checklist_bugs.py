@@ -6,7 +6,8 @@ audited by tests/test_checklist.py: verify.py must refuse it, naming the checkli
     torchrun --nproc-per-node=2 tests/workers/checklist_bugs.py OUT BUG:WAY:MODE ... -- TRAIN_OPTIONS
 
 MODE is every, no_sync or both; each scenario trains into OUT/BUG-WAY-MODE/<mode> (compression_label_lies
-with --comm-hook bf16; BUG:WAY:MODE:PRECISION with --precision PRECISION; BUG "none" in the loop is the lab).
+with --comm-hook bf16; BUG:WAY:MODE:PRECISION with --precision PRECISION, into OUT/BUG-WAY-MODE-PRECISION;
+BUG "none" in the loop is the lab).
 """
 
 import contextlib
@@ -262,7 +263,7 @@ def main():
         bug, way, modes, *precision = scenario.split(":")
         module = loop_with(bug) if way == "loop" else train
         for mode in ("every", "no_sync") if modes == "both" else (modes,):
-            output = out / f"{bug}-{way}-{modes}" / mode
+            output = out / "-".join([bug, way, modes, *precision]) / mode
             needs = ["--comm-hook", "bf16"] if bug == "compression_label_lies" else []
             needs += ["--precision", *precision] if precision else []
             args = module.parse_args(["--mode", mode, "--output", str(output), "--quiet", *options, *needs])
