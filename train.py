@@ -300,7 +300,7 @@ def run(args, place):
         epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
         scheduler.step()
         row = records.epoch_row(
-            epoch, args.mode, validation[:2], comm_audit.totals(), phase_seconds, peak_bytes, run_id, device, group
+            epoch, args.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, group
         )
         history.append(row)
         if is_writer:

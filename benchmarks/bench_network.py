@@ -1,8 +1,9 @@
-"""no_sync's speedup over a slow link between two nodes, measured against a simple model's prediction.
+"""no_sync's speedup over a slow link between two nodes, measured against the link model's prediction.
 
-    sudo .venv/bin/python benchmarks/bench_network.py                       # synthetic data, 4 link rates
-    sudo .venv/bin/python benchmarks/bench_network.py --data-dir /tmp/cifar10-jpeg --rates 200,50
-    sudo .venv/bin/python benchmarks/bench_network.py --strategy fsdp        # FSDP2's modes (network-fsdp.json)
+    sudo .venv/bin/python benchmarks/bench_network.py                       # ddp: 4 rates x A = 2, 4, 8
+    sudo .venv/bin/python benchmarks/bench_network.py --comm-hook bf16      # BF16-compressed gradients
+    sudo .venv/bin/python benchmarks/bench_network.py --strategy fsdp       # FSDP2's modes
+    sudo .venv/bin/python benchmarks/bench_network.py --data-dir /tmp/cifar10-jpeg --rates unlimited,50
 
 Two machines emulated on one, without touching the machine's own network: the script re-runs itself in a
 network namespace of its own (unshare --net) whose loopback, brought up with an Ethernet-sized MTU, is the
@@ -10,18 +11,17 @@ whole test network. `tc qdisc ... tbf rate R` on that loopback limits the link t
 directions through one queue, so the emulated link is half-duplex (a real full-duplex link of rate R is up
 to twice as fast for the same all-reduce). Two torchrun nodes (one process each, one core each,
 OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only. For each rate and each
---accum-steps A both modes train --steps optimizer steps (local batch 50, train.py's --comm-hook) in one epoch,
---repeats times in turn (every, no_sync, no_sync, every, ...), and the mean times are compared.
+--accum-steps A both modes train --steps optimizer steps (local batch 50, train.py's --comm-hook and
+--strategy) in one epoch, --repeats times in turn (every, no_sync, no_sync, every, ...).
 
-The model (benchmarks/link_model.py, docs/across-machines.md): a window costs A(c + s) under `every` and Ac + s under `no_sync`, c the
-compute per micro-batch, s the time of one sync. Two predictions of it stand beside the measurement:
-- from first principles, before any run over a slow link: c and one latency term L (the seconds per sync
-  without a link limit) measured once on the unlimited runs, and s = L + W / R, W the bits one sync puts
-  through the link: the audit's bytes per sync, sent by both ranks (a two-rank all-reduce sends each rank's
-  buffer once), with the TCP/IP and Ethernet framing (WIRE_BYTES_PER_PAYLOAD_BYTE);
-- from the sync time measured in the same run (the audit's comm_seconds / gradient_syncs at that rate).
-The table, artifacts/bench/network.json and artifacts/bench/network.png hold both with their errors.
-Everything it made (namespace, qdisc, processes, temporary files) is gone when it exits, Ctrl-C included.
+The model (benchmarks/link_model.py, docs/levers.md): a window costs A(c + s) under `every` and Ac + s under
+`no_sync`; only the link is predicted, s = L + W / R per sync (W the audit's bytes per sync through the link,
+framed; L measured once on the unlimited runs), and everything else is each run's own clock (its compute, its
+broadcasts, the ranks' wait for one another at the syncs). Each cell's measured and predicted speedup, their
+error, the repeats' spread and the model's inputs go to the table and to artifacts/bench/network.json
+(network-bf16.json, network-fsdp.json for the other variants); network.png plots every variant measured into
+the folder, measured against predicted. Everything it made (namespace, qdisc, processes, temporary files) is
+gone when it exits, Ctrl-C included.
 """
 
 import argparse
@@ -51,6 +51,7 @@ from link_model import (  # noqa: E402
     WIRE_BYTES_PER_PAYLOAD_BYTE,
     analyse,
     cell_verdict,
+    limited,
     link_fit,
     print_model_table,
     print_table,
@@ -197,7 +198,14 @@ class Nodes:
         self.launchers = []
 
 
-TIMES = ("epoch_seconds", "comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds")
+TIMES = (
+    "epoch_seconds",
+    "comm_seconds",
+    "sync_seconds",
+    "sync_wait_seconds",
+    "all_gather_seconds",
+    "all_gather_wait_seconds",
+)
 
 
 def repeated_run(samples):
@@ -338,7 +346,7 @@ def inside(args):
         "gather_latency_seconds_per_micro_batch": terms[1],
         "wire_bytes_per_payload_byte": WIRE_BYTES_PER_PAYLOAD_BYTE,
         "error_bound": ERROR_BOUND,
-        "cells": {verdict: sum(cell_verdict(row) == verdict for row in table) for verdict in ("within", "spread", "off")},
+        "limited_cells": {verdict: sum(cell_verdict(row) == verdict for row in limited(table)) for verdict in ("within", "spread", "off")},
         "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},
         "rows": table,
         "runs": rows,
@@ -349,6 +357,7 @@ def inside(args):
     # The picture holds every variant measured into this folder so far (each a run of this script).
     results = [json.loads((args.out / f"{other}.json").read_text()) for other in RESULT_NAMES.values()
                if (args.out / f"{other}.json").is_file()]  # fmt: skip
+    results = [result for result in results if "limited_cells" in result]  # not those of an earlier model
     image, data = draw(results)
     records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / f'{name}.json'} and {args.out / 'network.png'}")

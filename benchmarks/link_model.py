@@ -71,6 +71,11 @@ def link_seconds(sample):
     return sample["sync_seconds"] - sample["sync_wait_seconds"]
 
 
+def gather_link_seconds(sample):
+    """The same of FSDP's all-gathers (0 under DDP)."""
+    return sample["all_gather_seconds"] - sample["all_gather_wait_seconds"]
+
+
 def unlimited_terms(rows):
     """L and L_g, measured once on the unlimited runs (every A, both modes): the link's seconds per sync and,
     under FSDP, per micro-batch of all-gathers."""
@@ -84,7 +89,7 @@ def unlimited_terms(rows):
     latency = sum(link_seconds(sample) for _, _, sample in samples) / sum(
         run["gradient_syncs"] for _, run, _ in samples
     )
-    gathers = sum(sample["all_gather_seconds"] for _, _, sample in samples)
+    gathers = sum(gather_link_seconds(sample) for _, _, sample in samples)
     return latency, gathers / sum(run["optimizer_steps"] * accum for accum, run, _ in samples)
 
 
@@ -94,7 +99,7 @@ def predicted_epoch_seconds(sample, run, accum, terms, bits, rate):
     all-gathers L_g + G / R."""
     (latency, gather_latency), (wire_bits, gather_bits) = terms, bits
     per_bit = 0 if rate is None else 1 / rate
-    own = sample["epoch_seconds"] - link_seconds(sample) - sample["all_gather_seconds"]
+    own = sample["epoch_seconds"] - link_seconds(sample) - gather_link_seconds(sample)
     micro_batches = run["optimizer_steps"] * accum
     syncs = run["gradient_syncs"] * (latency + wire_bits * per_bit)
     return own + syncs + micro_batches * (gather_latency + gather_bits * per_bit)
@@ -110,12 +115,14 @@ def spread(values):
 
 
 def run_inputs(run, accum):
-    """What the model took from a run's own clock, per micro-batch and per sync (means over its repeats)."""
+    """What the model took from a run's own clock (c: a micro-batch's time outside the syncs and all-gathers),
+    and the link's time per sync it measured (means over the repeats)."""
     micro_batches, syncs = run["optimizer_steps"] * accum, run["gradient_syncs"]
+    outside = [
+        sample["epoch_seconds"] - sample["sync_seconds"] - sample["all_gather_seconds"] for sample in run["samples"]
+    ]
     return {
-        "compute_ms": mean([sample["epoch_seconds"] - sample["comm_seconds"] for sample in run["samples"]])
-        / micro_batches
-        * 1e3,
+        "compute_ms": mean(outside) / micro_batches * 1e3,
         "wait_ms_per_sync": mean([sample["sync_wait_seconds"] for sample in run["samples"]]) / syncs * 1e3,
         "link_ms_per_sync": mean([link_seconds(sample) for sample in run["samples"]]) / syncs * 1e3,
     }
@@ -191,10 +198,17 @@ def link_fit(table):
 
 
 def cell_verdict(row):
-    """Within the bound, or the repeats' spread wider than it (the cell's noise, reported as such), or off."""
-    if abs(row["relative_error"]) <= ERROR_BOUND:
+    """within: the predicted speedup within the bound of the measured; spread: outside it, but inside the spread
+    of the cell's repeats (its noise is wider than the bound); off: outside both."""
+    error = abs(row["relative_error"])
+    if error <= ERROR_BOUND:
         return "within"
-    return "spread" if row["speedup_spread"] > ERROR_BOUND else "off"
+    return "spread" if error <= row["speedup_spread"] else "off"
+
+
+def limited(table):
+    """The cells with a link limit: the model's test (without one, L is fitted on the cells themselves)."""
+    return [row for row in table if row["rate_mbit"] is not None]
 
 
 def print_table(terms, table):
@@ -206,9 +220,9 @@ def print_table(terms, table):
     )
     print(
         "| link | A | every s/step (spread) | predicted | no_sync s/step (spread) | predicted | syncs every/no_sync | "
-        "speedup (spread) | predicted | c ms every/no_sync | wait ms per sync every/no_sync |"
+        "speedup (spread) | predicted | link ms per sync (predicted) | c ms every/no_sync | wait ms per sync every/no_sync |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in table:
         steps, inputs, syncs = row["step_seconds"], row["inputs"], row["gradient_syncs"]
         cells = [
@@ -221,13 +235,14 @@ def print_table(terms, table):
             f"| {rate_label(row['rate_mbit'])} | {row['accum_steps']} | {cells[0]} | {cells[1]} | "
             f"{syncs['every']}/{syncs['no_sync']} | {row['measured_speedup']:.2f}x ({row['speedup_spread'] * 100:.0f}%) | "
             f"{row['predicted_speedup']:.2f}x ({row['relative_error'] * 100:+.1f}%){flag} | "
+            f"{mean([inputs[mode]['link_ms_per_sync'] for mode in inputs]):.0f} ({row['predicted_ms_per_sync']:.0f}) | "
             f"{inputs['every']['compute_ms']:.0f}/{inputs['no_sync']['compute_ms']:.0f} | "
             f"{inputs['every']['wait_ms_per_sync']:.0f}/{inputs['no_sync']['wait_ms_per_sync']:.0f} |"
         )
-    verdicts = [cell_verdict(row) for row in table]
+    verdicts = [cell_verdict(row) for row in limited(table)]
     print(
-        f"{verdicts.count('within')} of {len(table)} cells within {ERROR_BOUND:.0%}; "
-        f"{verdicts.count('spread')} outside it whose repeats spread wider than that; {verdicts.count('off')} off"
+        f"of the {len(verdicts)} cells with a link limit: {verdicts.count('within')} within {ERROR_BOUND:.0%}, "
+        f"{verdicts.count('spread')} outside it but inside their repeats' spread, {verdicts.count('off')} off"
     )
 
 

@@ -28,13 +28,14 @@ def read_clock(device):
     return time.perf_counter()
 
 
-# What the clock sums, by kind: the gradient syncs (DDP's hook calls, FSDP's reduce-scatters), FSDP's all-gathers,
-# and the rest (buffer broadcasts); the link model (benchmarks/link_model.py) predicts the syncs' and the gathers'.
-CLOCK_KINDS = ("sync", "all_gather", "other")
+# The collectives the clock also times call by call (the gradient syncs: DDP's hook calls, FSDP's reduce-scatters;
+# FSDP's all-gathers), so that an epoch's row can tell the link's time from the ranks' wait for one another.
+PER_CALL_KINDS = ("sync", "all_gather")
 
 
 class CollectiveClock:
-    """Seconds from collectives' start to their completion on the device, summed by kind.
+    """Seconds from collectives' start to their completion on the device, summed; the syncs and all-gathers also
+    call by call, while `per_call` (FSDP's evaluation turns it off: its all-gathers are not training's).
 
     On CPU, gloo has finished a collective when its future's callback runs: wall time. On GPU the host only
     queues NCCL's work: CUDA events on the stream, read after a synchronize at the epoch's end. Callbacks of
@@ -44,7 +45,9 @@ class CollectiveClock:
     def __init__(self, device_type="cpu"):
         self.on_cuda = device_type == "cuda"
         self.lock = threading.Lock()
-        self.seconds = dict.fromkeys(CLOCK_KINDS, 0.0)
+        self.seconds = 0.0
+        self.per_call = True
+        self.calls = {kind: [] for kind in PER_CALL_KINDS}  # since take_calls: each call's seconds, in order
         self.event_pairs = []  # on GPU: (kind, start, end) events not yet read
 
     def start(self):
@@ -55,34 +58,37 @@ class CollectiveClock:
         return time.perf_counter()
 
     def stop(self, started, kind="other"):
+        kind = kind if self.per_call else "other"
         if self.on_cuda:
             ended = torch.cuda.Event(enable_timing=True)
-            ended.record()  # in a future's callback, on the stream that ran the collective
+            ended.record()  # in a future's callback, after the collective on its stream
             with self.lock:
                 self.event_pairs.append((kind, started, ended))
             return
-        elapsed = time.perf_counter() - started
-        with self.lock:
-            self.seconds[kind] += elapsed
+        self.add(kind, time.perf_counter() - started)
 
-    def totals(self):
-        """comm_seconds (all collectives), sync_seconds and all_gather_seconds: the audit's totals' timing keys."""
+    def add(self, kind, elapsed):
         with self.lock:
-            if self.event_pairs:
-                torch.cuda.synchronize()
-                for kind, start, end in self.event_pairs:
-                    self.seconds[kind] += start.elapsed_time(end) / 1000
-                self.event_pairs.clear()
-            return {
-                "comm_seconds": sum(self.seconds.values()),
-                "sync_seconds": self.seconds["sync"],
-                "all_gather_seconds": self.seconds["all_gather"],
-            }
+            self.seconds += elapsed
+            if kind in self.calls:
+                self.calls[kind].append(elapsed)
 
-    def restore(self, totals):
-        """The timing keys of saved totals (resume), taken out of them."""
-        comm, sync, gather = (totals.pop(key) for key in ("comm_seconds", "sync_seconds", "all_gather_seconds"))
-        self.seconds = {"sync": sync, "all_gather": gather, "other": comm - sync - gather}
+    def total(self):
+        if self.event_pairs:
+            torch.cuda.synchronize()
+            with self.lock:
+                pairs, self.event_pairs = self.event_pairs, []
+            for kind, start, end in pairs:
+                self.add(kind, start.elapsed_time(end) / 1000)
+        with self.lock:
+            return self.seconds
+
+    def take_calls(self):
+        """Each sync's and all-gather's seconds since the last take, in the order they were made."""
+        self.total()
+        with self.lock:
+            calls, self.calls = self.calls, {kind: [] for kind in PER_CALL_KINDS}
+        return calls
 
 
 # torch's compressing gradient hooks, by train.py's --comm-hook name: each casts the bucket, all-reduces the
@@ -137,7 +143,8 @@ class CommAudit:
 
     def totals(self):
         totals = {name: getattr(self, name) for name in COUNTS}
-        return {**totals, **self.clock.totals()}
+        totals["comm_seconds"] = self.clock.total()
+        return totals
 
 
 # The step fingerprint: for each of two primes below 2**31, the sum over all values of (the value's float32 bit

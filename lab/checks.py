@@ -50,6 +50,7 @@ ROW_NUMBERS = (
     "sync_seconds",
     "sync_wait_seconds",
     "all_gather_seconds",
+    "all_gather_wait_seconds",
     "epoch_seconds",
     "train_images_per_second",
     "validation_seconds",

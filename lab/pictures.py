@@ -272,12 +272,14 @@ def agreement_image(title, points, bound, caption):
     draw = ImageDraw.Draw(image)
     centred_text(draw, (width / 2, 20), title, font(18))
     values = [point[key] for point in points for key in ("predicted", "measured")]
-    ticks = nice_ticks(min(values) / (1 + bound), max(values) * (1 + bound))
+    ticks = nice_ticks(min(values) / (1 + bound), max(values) * (1 + bound), count=8)
     axes = Axes(image, box, (ticks[0], ticks[-1]), ticks, f"the diagonal: exact; shaded: within {bound:.0%}",
                 "predicted", "measured", x_ticks=[(tick, tick_label(tick)) for tick in ticks])  # fmt: skip
     low, high = ticks[0], ticks[-1]
-    band = [(low, low * (1 + bound)), (high, high * (1 + bound)), (high, high / (1 + bound)), (low, low / (1 + bound))]
-    draw.polygon([(axes.x(x), axes.y(min(max(y, low), high))) for x, y in band], fill=GRID)
+    wide = 1 + bound  # the band between y = x * wide and y = x / wide, cut to the square of the axes
+    band = [(low, low), (low, min(low * wide, high)), (high / wide, high), (high, high), (high, high / wide),
+            (min(low * wide, high), low)]  # fmt: skip
+    draw.polygon([(axes.x(x), axes.y(y)) for x, y in band], fill=GRID)
     draw.line((axes.x(low), axes.y(low), axes.x(high), axes.y(high)), fill=GRID_DARK, width=2)
     draw.rectangle(box, outline=INK)
     series = list(dict.fromkeys(point["series"] for point in points))

@@ -254,7 +254,7 @@ class Session:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         audit_totals = dict(state["audit"][rank])
-        self.comm_audit.clock.restore(audit_totals)
+        self.comm_audit.clock.seconds = audit_totals.pop("comm_seconds")
         for name, value in audit_totals.items():
             setattr(self.comm_audit, name, value)
         generator = getattr(self.train_loader, "generator", None)

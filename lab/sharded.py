@@ -176,11 +176,16 @@ class CollectiveCounter:
             started = audit.clock.start() if audit is not None else None
             self.depth.value = getattr(self.depth, "value", 0) + 1
             try:
-                return collective(*args, **kwargs)
+                result = collective(*args, **kwargs)
             finally:
                 self.depth.value -= 1
-                if started is not None:  # a reduce-scatter is a sync, as DDP's all-reduce is
-                    audit.clock.stop(started, "sync" if kind == "reduce_scatter" else "all_gather")
+            if started is not None:
+                clocked = "sync" if kind == "reduce_scatter" else "all_gather"  # a reduce-scatter is FSDP's sync
+                if kwargs.get("async_op"):  # timed to its completion, not its launch
+                    result.get_future().then(lambda _: audit.clock.stop(started, clocked))
+                else:
+                    audit.clock.stop(started, clocked)
+            return result
 
         return call
 
@@ -234,10 +239,12 @@ class ShardedModel:
     def train(self):
         self.module.reshard()  # every pass starts sharded, the root too (a forward without backward keeps it)
         self.module.train()
+        self.comm_audit.clock.per_call = True
 
     def eval(self):
         self.module.reshard()
         self.module.eval()
+        self.comm_audit.clock.per_call = False  # evaluation's all-gathers are not the training's
 
     def broadcast_rank_0_buffers(self):
         """One broadcast per dtype of every buffer (DDP's own coalescing), counted as AuditedDDP counts DDP's."""

@@ -117,15 +117,18 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
 
     def stop_many():
         for index in range(stops_per_thread):
-            clock.stop(0.0, "sync" if index % 2 else "other")
+            clock.stop(0.0, ("sync", "all_gather", "other", "other")[index % 4])
 
     threads = [threading.Thread(target=stop_many) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    totals = clock.totals()
-    assert (totals["comm_seconds"], totals["sync_seconds"]) == (8 * stops_per_thread, 4 * stops_per_thread)
+    assert clock.total() == 8 * stops_per_thread
+    # and the syncs and all-gathers call by call, taken once: each call's 1.0 s, none lost
+    calls = clock.take_calls()
+    assert calls == {"sync": [1.0] * 2 * stops_per_thread, "all_gather": [1.0] * 2 * stops_per_thread}
+    assert clock.take_calls() == {"sync": [], "all_gather": []}
 
 
 @pytest.mark.parametrize(

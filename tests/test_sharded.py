@@ -61,9 +61,15 @@ def test_the_fsdp_pair_passes_the_audit_with_derived_counts(fsdp_runs):
         assert row["all_gathers"] == 20 * 11 + 5 * 5 + 1
         assert row["sync_bucket_calls"] == row["allreduce_bytes"] == 0
         assert row["steps_with_ranks_agreed"] is None  # shards: no copies to compare
-        # The clock by kind: the reduce-scatters are the syncs; the all-gathers, the broadcasts and they the whole.
-        assert 0 < row["sync_seconds"] < row["comm_seconds"] and 0 < row["all_gather_seconds"] < row["comm_seconds"]
+        # The training's reduce-scatters (the syncs) and all-gathers, timed call by call, inside the epoch's
+        # collectives (with validation's all-gathers and the broadcasts), each with the ranks' wait in it.
         assert row["sync_seconds"] + row["all_gather_seconds"] < row["comm_seconds"]
+        assert (
+            0 <= row["sync_wait_seconds"] < row["sync_seconds"]
+            and 0 <= row["all_gather_wait_seconds"] < row["all_gather_seconds"]
+        )
+    for every_row, no_sync_row in zip(every, no_sync):  # 120 reduce-scatters against 30
+        assert every_row["sync_seconds"] > no_sync_row["sync_seconds"] > 0
     assert [row["reduce_scatters"] for row in every] == [120, 120]
     assert [row["reduce_scatters"] for row in no_sync] == [30, 30]
     assert every[0]["reduce_scatter_bytes"] == 4 * no_sync[0]["reduce_scatter_bytes"] == 4 * 5 * 558_538 * 4
