@@ -47,6 +47,7 @@ TIMING = {
     "sync_seconds",
     "sync_wait_seconds",
     "all_gather_seconds",
+    "all_gather_wait_seconds",
     "epoch_seconds",
     "train_images_per_second",
     "validation_seconds",
