@@ -31,6 +31,8 @@ def read_clock(device):
 # The collectives the clock also times call by call (the gradient syncs: DDP's hook calls, FSDP's reduce-scatters;
 # FSDP's all-gathers), so that an epoch's row can tell the link's time from the ranks' wait for one another.
 PER_CALL_KINDS = ("sync", "all_gather")
+# An epoch row's seconds from the clock: all collectives, then per kind its seconds and the ranks' wait in them.
+CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
 
 
 class CollectiveClock:
@@ -89,6 +91,24 @@ class CollectiveClock:
         with self.lock:
             calls, self.calls = self.calls, {kind: [] for kind in PER_CALL_KINDS}
         return calls
+
+    def seconds_and_waits(self, device, group):
+        """Since the last call, for the syncs and then the all-gathers: this rank's seconds in them and, of those,
+        its wait: in each call, its time beyond the least any rank spent there (that rank came last; the rest
+        waited for it). Every rank made the same calls in the same order, or the run is broken: then this stops."""
+        calls = list(self.take_calls().values())
+        lengths = torch.tensor([len(kind) for kind in calls] + [-len(kind) for kind in calls], device=device)
+        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+        if lengths[: len(calls)].tolist() != (-lengths[len(calls) :]).tolist():
+            raise RuntimeError(
+                f"the ranks timed different numbers of syncs or all-gathers in an epoch: {lengths.tolist()}"
+            )
+        sizes = [len(kind) for kind in calls]
+        durations = torch.tensor([seconds for kind in calls for seconds in kind], dtype=torch.float64, device=device)
+        least = durations.clone()
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+        pairs = zip(durations.split(sizes), least.split(sizes))
+        return [value for mine, fewest in pairs for value in (mine.sum().item(), (mine - fewest).sum().item())]
 
 
 # torch's compressing gradient hooks, by train.py's --comm-hook name: each casts the bucket, all-reduces the

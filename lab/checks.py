@@ -9,6 +9,7 @@ import math
 from PIL import Image
 
 from lab import certify, experiment, resume, sharded
+from lab.audit import CLOCKED_SECONDS
 from lab.data import IMAGE_ERRORS
 from lab.precision import NUMERICS
 from lab.records import (
@@ -46,11 +47,7 @@ ROW_NUMBERS = (
     "train_accuracy",
     "validation_loss",
     "validation_accuracy",
-    "comm_seconds",
-    "sync_seconds",
-    "sync_wait_seconds",
-    "all_gather_seconds",
-    "all_gather_wait_seconds",
+    *CLOCKED_SECONDS,
     "epoch_seconds",
     "train_images_per_second",
     "validation_seconds",

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from PIL import Image, PngImagePlugin
 
 from lab import pictures
+from lab.audit import CLOCKED_SECONDS
 from lab.cli import LabError
 from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
 from model import CLASSES
@@ -260,38 +261,18 @@ def run_config(args, place, setup):
     }
 
 
-def calls_and_waits(calls, device, group):
-    """For each kind of collective timed call by call (a list of seconds each): this rank's seconds in it, and of
-    them its wait: in each call, its time beyond the least any rank spent there (that rank came last; the rest
-    waited for it). Every rank made the same calls in the same order, or the run is broken: then this stops."""
-    lengths = torch.tensor([len(kind) for kind in calls] + [-len(kind) for kind in calls], device=device)
-    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-    if lengths[: len(calls)].tolist() != (-lengths[len(calls) :]).tolist():
-        raise RuntimeError(
-            f"the ranks timed different numbers of syncs or all-gathers in one epoch: {lengths.tolist()}"
-        )
-    durations = torch.tensor([seconds for kind in calls for seconds in kind], dtype=torch.float64, device=device)
-    least = durations.clone()
-    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
-    per_kind = zip(durations.split([len(kind) for kind in calls]), least.split([len(kind) for kind in calls]))
-    return [value for mine, fewest in per_kind for value in (mine.sum().item(), (mine - fewest).sum().item())]
-
-
 def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, run_id, device, group):
     """The epoch's JSON line from `epoch` (resume.EpochState: its trace, totals, the audit's totals at its start
-    and where it resumed) and the audit now: the document's fields first, then the rest of the audit.
-
-    Losses, correct and counts are summed over ranks; the seconds are means over ranks; the counts are this
-    rank's (every rank takes part in every collective, so they are the same on all).
-    """
+    and where it resumed) and the audit now: the document's fields first, then the rest of the audit. Losses,
+    correct and counts are summed over ranks; the seconds are means over ranks; the counts are this rank's (every
+    rank takes part in every collective, so they are the same on all)."""
     trace, before, after = epoch.trace, epoch.audit_before, comm_audit.totals()
     comm_seconds = after["comm_seconds"] - before["comm_seconds"]
-    timed = calls_and_waits(list(comm_audit.clock.take_calls().values()), device, group)  # syncs, all-gathers
+    timed = comm_audit.clock.seconds_and_waits(device, group)  # syncs, all-gathers
     seconds = torch.tensor([*phase_seconds, comm_seconds, *timed], dtype=torch.float64, device=device)
     summed = torch.cat([epoch.totals, seconds])
     dist.all_reduce(summed, group=group)
     loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, *clocked_sums = summed.tolist()
-    comm_seconds_sum, sync_seconds_sum, sync_wait_sum, gather_seconds_sum, gather_wait_sum = clocked_sums
     world_size = dist.get_world_size()
     validation_loss, validation_accuracy = validation
     return {
@@ -304,13 +285,8 @@ def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, ru
         "validation_loss": validation_loss,
         "validation_accuracy": validation_accuracy,
         **{key: after[key] - before[key] for key in COUNTS if key != "gradient_syncs"},
-        "comm_seconds": comm_seconds_sum / world_size,
-        # The training's syncs and all-gathers (since the resume, in an epoch resumed inside), and of each the
-        # ranks' wait for one another: call by call, each rank's time beyond the least any rank spent in it.
-        "sync_seconds": sync_seconds_sum / world_size,
-        "sync_wait_seconds": sync_wait_sum / world_size,
-        "all_gather_seconds": gather_seconds_sum / world_size,
-        "all_gather_wait_seconds": gather_wait_sum / world_size,
+        # The clock's: all collectives; the training's syncs and all-gathers since any resume, with the ranks' wait.
+        **{key: total / world_size for key, total in zip(CLOCKED_SECONDS, clocked_sums, strict=True)},
         "epoch_seconds": epoch_seconds_sum / world_size,
         "train_images_per_second": count / (epoch_seconds_sum / world_size),
         "validation_seconds": validation_seconds_sum / world_size,
@@ -322,8 +298,7 @@ def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, ru
         "sample_shards": trace.sample_shards,
         # The document's checklist as the witnesses saw it (lab/checklist.py; verify.py checks each item).
         "checklist": trace.checklist_summary,
-        # Where this epoch's training resumed after a stop (micro-batch indices; the restart's own
-        # communication, a new DDP wrapper's first buffer broadcast and bucket rebuild, is in the counts).
+        # Where this epoch resumed after a stop (micro-batch indices); the new wrapper's first broadcast is counted.
         "resumed_at": epoch.resumed_at,
         # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
         "saved_activation_bytes": trace.saved_activation_bytes,

@@ -131,6 +131,14 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     assert clock.take_calls() == {"sync": [], "all_gather": []}
 
 
+def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_call(measured):
+    """Syncs of 1 and 3 s on rank 0, 2 and 1 s on rank 1: the least per call is 1 and 1 s, so rank 0 waited
+    0 + 2 s and rank 1 1 + 0 s (a total beyond the least total would say 1 and 0 s); the all-gathers of
+    0.5 and 0.25 s: rank 0 waited 0.25 s. Ranks that timed different numbers of calls stop the run."""
+    assert [rank["timed"] for rank in measured["waits"]] == [[4.0, 2.0, 0.5, 0.25], [3.0, 1.0, 0.25, 0.0]]
+    assert all("different numbers of syncs or all-gathers" in rank["refused"] for rank in measured["waits"])
+
+
 @pytest.mark.parametrize(
     "change, named",
     [

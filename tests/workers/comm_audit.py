@@ -5,7 +5,8 @@ levers alone) and mode under the PyTorch profiler and prints (rank 0) one JSON o
 epoch, the audit's counts (the hook's and AuditedDDP's) next to the collectives the profiler saw
 (c10d::allreduce_, c10d::broadcast_), which are the ground truth the audit must match; and the
 hook calls per synchronized backward with DDP's default bucket size and with the lab's explicit 25 MB; and
-whether every rank held rank 0's BatchNorm buffers after the training loop and after the evaluation (gathered).
+whether every rank held rank 0's BatchNorm buffers after the training loop and after the evaluation (gathered);
+and each rank's seconds and wait from the collective clock on calls of known seconds.
 """
 
 import json
@@ -69,6 +70,27 @@ def buffers_equal_rank_0s(model):
     return all(all(torch.equal(mine, theirs) for mine, theirs in zip(gathered[0], other)) for other in gathered[1:])
 
 
+def waits_of_known_calls():
+    """CollectiveClock.seconds_and_waits on calls of known seconds: rank 0's two syncs took 1 and 3 s, rank 1's
+    2 and 1 s; their all-gather 0.5 and 0.25 s. Then on ranks that timed different numbers of syncs."""
+    rank = dist.get_rank()
+    clock = audit.CollectiveClock("cpu")
+    for seconds in ((1.0, 3.0), (2.0, 1.0))[rank]:
+        clock.add("sync", seconds)
+    clock.add("all_gather", (0.5, 0.25)[rank])
+    timed = clock.seconds_and_waits(CPU, None)
+    for _ in range(rank + 1):
+        clock.add("sync", 1.0)
+    try:
+        clock.seconds_and_waits(CPU, None)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"timed": timed, "refused": refused})
+    return gathered
+
+
 def main():
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
@@ -121,8 +143,9 @@ def main():
         "default": hook_calls_per_sync(None, loader),
         "25": hook_calls_per_sync(experiment.BUCKET_CAP_MB, loader),
     }
+    waits = waits_of_known_calls()
     if dist.get_rank() == 0:
-        print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls}), flush=True)
+        print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls, "waits": waits}), flush=True)
     audit.settle_comm_hooks()
     dist.destroy_process_group()
 
