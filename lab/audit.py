@@ -31,8 +31,6 @@ def read_clock(device):
 # The collectives the clock also times call by call (the gradient syncs: DDP's hook calls, FSDP's reduce-scatters;
 # FSDP's all-gathers), so that an epoch's row can tell the link's time from the ranks' wait for one another.
 PER_CALL_KINDS = ("sync", "all_gather")
-# An epoch row's seconds from the clock: all collectives, then per kind its seconds and the ranks' wait in them.
-CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
 
 
 class CollectiveClock:

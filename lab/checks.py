@@ -9,10 +9,10 @@ import math
 from PIL import Image
 
 from lab import certify, experiment, resume, sharded
-from lab.audit import CLOCKED_SECONDS
 from lab.data import IMAGE_ERRORS
 from lab.precision import NUMERICS
 from lab.records import (
+    CLOCKED_SECONDS,
     HISTORY_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,

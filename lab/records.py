@@ -18,7 +18,6 @@ import torch.distributed as dist
 from PIL import Image, PngImagePlugin
 
 from lab import pictures
-from lab.audit import CLOCKED_SECONDS
 from lab.cli import LabError
 from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
 from model import CLASSES
@@ -35,6 +34,8 @@ TEXT_RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE)  # the text task draws 
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
 PROFILE_FILE = "profile.json"
 PROFILE_TRACE_FILE = "profile_trace.rank{rank}.json"  # one Chrome trace per rank, as HolisticTraceAnalysis reads them
+# An epoch row's seconds from the collective clock, the ranks' waits too (audit.CollectiveClock.seconds_and_waits).
+CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
 
 
 def profile_trace_files(world_size):
@@ -167,9 +168,8 @@ class RunFolder:
 
     While a run is going, `.every.partial-<run id>/` beside `every/` holds what it has written so far. Publishing
     writes run.json there (the size and SHA-256 of every artifact; from then on the run is complete), removes
-    what is not an artifact (saved state, temporaries) and renames: the old folder aside as
-    `.every.replaced-<new run id>`, the new one into place, the old one removed. A reader finds one complete run,
-    never a mix. The next run into the output (holding its lock, claim_output, so nothing it finds is alive)
+    the rest (saved state, temporaries) and renames: the old folder aside as `.every.replaced-<new run id>`, the
+    new one into place, the old one removed. A reader finds one complete run, never a mix. The next run into the output (holding its lock, claim_output, so nothing it finds is alive)
     first finishes a publish a crash interrupted (publish_interrupted: a complete run is never lost or trained
     again), then removes what dead runs left. verify.py names each such leftover.
     """
