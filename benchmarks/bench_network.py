@@ -15,7 +15,7 @@ OMP_NUM_THREADS=1) run the real train.py inside it and talk over 127.0.0.1 only.
 --strategy) in one epoch, --repeats times in turn (every, no_sync, no_sync, every, ...).
 
 The model (benchmarks/link_model.py, docs/levers.md): a window costs A(c + s) under `every` and Ac + s under
-`no_sync`; only the link is predicted, s = L + W / R per sync (W the audit's bytes per sync through the link,
+`no_sync`; only the link is predicted, s = max(L, W / R) per sync (W the audit's bytes per sync through the link,
 framed; L measured once on the unlimited runs), and everything else is each run's own clock (its compute, its
 broadcasts, the ranks' wait for one another at the syncs). Each cell's measured and predicted speedup, their
 error, the repeats' spread and the model's inputs go to the table and to artifacts/bench/network.json

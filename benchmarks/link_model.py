@@ -6,13 +6,15 @@ s = seconds per sync. Only the link is predicted; the rest is each run's own clo
 between runs is not counted as the model's error:
 - c, the buffer broadcasts and the ranks' wait for one another at the syncs (the skew a sync absorbs: the
   audit's sync_wait_seconds) are measured in the run itself;
-- s = L + W / R: L, the link's time per sync without a limit (the syncs' time less the ranks' wait), measured
-  once on the unlimited runs; W the bits one sync puts through the link: the audit's bytes per sync, sent by
-  both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half in its
-  all-gather), framed as TCP/IP over Ethernet.
+- s = max(L, W / R): L, the link's time per sync without a limit (the syncs' time less the ranks' wait),
+  measured once on the unlimited runs; W the bits one sync puts through the link: the audit's bytes per sync,
+  sent by both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half
+  in its all-gather), framed as TCP/IP over Ethernet. The longer of the two, not their sum: a sync is several
+  calls in flight (DDP's buckets, FSDP's units), and each call's work off the wire (copies, the reduction, the
+  TCP stack) overlaps the bits queued behind the limit (link_seconds_at).
 Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter per unit, which gloo runs as an all-reduce
 of the whole padded gradient (the profiler's gloo:all_reduce events): W = both ranks' handed bytes, as DDP's;
-and every micro-batch also all-gathers the units, in both modes: L_g + G / R more per micro-batch, G both
+and every micro-batch also all-gathers the units, in both modes: max(L_g, G / R) more per micro-batch, G both
 ranks' shards and L_g their time without a limit.
 
 Run as a command, it is a calculator for a user's own cluster (the benchmark checks the same functions on two
@@ -93,16 +95,23 @@ def unlimited_terms(rows):
     return latency, gathers / sum(run["optimizer_steps"] * accum for accum, run, _ in samples)
 
 
+def link_seconds_at(latency, bits, rate):
+    """A sync's (or a micro-batch's all-gathers') time on a link of `rate` bits/s (None: no limit): the longer
+    of its time without a limit and its bits at the rate. Not their sum: its calls are several in flight and
+    their work off the wire overlaps the bits queued behind the limit. Measured on the EPYC (2026-12-03), the
+    sum over-predicted FSDP's syncs by about L (at 1000 Mbit/s 33 to 45 ms per sync, W / R = 38 ms, L = 16 ms)."""
+    return latency if rate is None else max(latency, bits / rate)
+
+
 def predicted_epoch_seconds(sample, run, accum, terms, bits, rate):
     """One run's training seconds: its own clock for all but the link (its compute, buffer broadcasts and the
-    ranks' waits, measured), and the link predicted: each sync L + W / R, under FSDP each micro-batch's
-    all-gathers L_g + G / R."""
+    ranks' waits, measured), and the link predicted: each sync max(L, W / R), under FSDP each micro-batch's
+    all-gathers max(L_g, G / R)."""
     (latency, gather_latency), (wire_bits, gather_bits) = terms, bits
-    per_bit = 0 if rate is None else 1 / rate
     own = sample["epoch_seconds"] - link_seconds(sample) - gather_link_seconds(sample)
     micro_batches = run["optimizer_steps"] * accum
-    syncs = run["gradient_syncs"] * (latency + wire_bits * per_bit)
-    return own + syncs + micro_batches * (gather_latency + gather_bits * per_bit)
+    syncs = run["gradient_syncs"] * link_seconds_at(latency, wire_bits, rate)
+    return own + syncs + micro_batches * link_seconds_at(gather_latency, gather_bits, rate)
 
 
 def mean(values):
@@ -156,7 +165,7 @@ def analyse(rows, gathered_bytes=0):
                 "optimizer_steps": {mode: run["optimizer_steps"] for mode, run in runs.items()},
                 "wire_bits_per_sync": wire_bits,
                 "gather_bits_per_micro_batch": gather_bits,
-                "predicted_ms_per_sync": (terms[0] + (0 if rate is None else wire_bits / rate)) * 1e3,
+                "predicted_ms_per_sync": link_seconds_at(terms[0], wire_bits, rate) * 1e3,
                 "inputs": {mode: run_inputs(run, accum) for mode, run in runs.items()},
                 "step_seconds": {
                     mode: {
@@ -271,7 +280,7 @@ def print_model_table(table, accums):
 
 def calculate(gradient_bytes, compute, rate_mbit, latency, world_size, accum, shared_link):
     """Each mode's predicted seconds per optimizer step and no_sync's speedup, from the benchmark's own terms."""
-    sync_seconds = latency + ring_wire_bits(gradient_bytes, world_size, shared_link) / (rate_mbit * 1e6)
+    sync_seconds = link_seconds_at(latency, ring_wire_bits(gradient_bytes, world_size, shared_link), rate_mbit * 1e6)
     steps = {mode: step_seconds(mode, compute, sync_seconds, accum) for mode in ("every", "no_sync")}
     return sync_seconds, steps, steps["every"] / steps["no_sync"]
 
@@ -299,7 +308,8 @@ def main():
     print(
         f"assumed: ring all-reduce, each rank sending 2(N-1)/N of {args.gradient_mb:g} MB per sync; "
         f"{'one half-duplex link shared by all ranks' if args.shared_link else 'full-duplex links, one per rank'}; "
-        f"TCP/IP framing x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f}; compute and syncs not overlapped; "
+        f"TCP/IP framing x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f}; s = max(latency, bits / rate) (a sync's calls overlap "
+        f"their work off the wire with the bits queued); compute and syncs not overlapped; "
         f"a window costs A(c + s) under every and Ac + s under no_sync"
     )
     print(f"s = {sync * 1e3:.1f} ms per sync, r = s/c = {sync / (args.compute_ms / 1e3):.2f}")

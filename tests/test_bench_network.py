@@ -44,10 +44,10 @@ def test_the_model_predicts_the_link_and_takes_the_rest_from_each_runs_own_clock
     (latency, gather_latency), table = link_model.analyse(slow_link_rows())
     assert latency == pytest.approx(0.01) and gather_latency == 0
     slow = table[1]
-    # Each sync puts both ranks' 1,000,000 bytes through the link, framed; s = L + W / R.
+    # Each sync puts both ranks' 1,000,000 bytes through the link, framed; s = max(L, W / R): W / R here.
     wire_bits = 2 * 1_000_000 * 8 * FRAMING
     assert slow["wire_bits_per_sync"] == pytest.approx(wire_bits)
-    sync = 0.01 + wire_bits / 50e6
+    sync = wire_bits / 50e6
     assert slow["predicted_ms_per_sync"] == pytest.approx(sync * 1e3)
     # The run's own clock: all but the link's part of the syncs (the sync time less the ranks' wait).
     every = (4.0 - (2.0 - 0.4) + 8 * sync) / 2
@@ -63,6 +63,8 @@ def test_the_model_predicts_the_link_and_takes_the_rest_from_each_runs_own_clock
     assert slow["inputs"]["every"] == pytest.approx(
         {"compute_ms": 250, "wait_ms_per_sync": 50, "link_ms_per_sync": 200}
     )
+    # The longer of the two, never their sum: a link fast enough for the bits leaves the time without a limit.
+    assert [link_model.link_seconds_at(0.01, 1e6, rate) for rate in (None, 50e6, 200e6)] == [0.01, 0.02, 0.01]
     # The unlimited cell: its own link time is the latency itself, so the prediction is the measurement.
     assert table[0]["relative_error"] == pytest.approx(0)
     s_unlimited, bits = link_model.link_fit(table)
@@ -104,7 +106,7 @@ def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
     slow = table[1]
     assert slow["wire_bits_per_sync"] == pytest.approx(2 * 1_000_000 * 8 * FRAMING)
     assert slow["gather_bits_per_micro_batch"] == pytest.approx(2 * 500_000 * 8 * FRAMING)
-    sync, gather = 0.01 + 16e6 * FRAMING / 50e6, 0.02 + 8e6 * FRAMING / 50e6
+    sync, gather = 16e6 * FRAMING / 50e6, 8e6 * FRAMING / 50e6
     steps = slow["step_seconds"]
     # Each run's own clock less the link's part of its syncs and of its all-gathers (their time less the wait).
     assert steps["every"]["predicted"] == pytest.approx((6.0 - 1.6 - 1.6 + 8 * sync + 8 * gather) / 2)
@@ -200,7 +202,7 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
         for inputs in row["inputs"].values():
             assert inputs["compute_ms"] > 0 and 0 <= inputs["wait_ms_per_sync"] and inputs["link_ms_per_sync"] > 0
     slow = record["rows"][1]
-    # At 50 Mbit/s the link's time per sync, measured in each mode, is the predicted L + W / R (0.38 s of it W / R),
+    # At 50 Mbit/s the link's time per sync, measured in each mode, is the predicted max(L, W / R) = W / R, 0.38 s,
     # whatever the compute: the model's own claim.
     for inputs in slow["inputs"].values():
         assert inputs["link_ms_per_sync"] == pytest.approx(slow["predicted_ms_per_sync"], rel=0.25)
