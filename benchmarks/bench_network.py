@@ -84,7 +84,9 @@ def parse_rates(text):
             raise argparse.ArgumentTypeError(f"expected 'unlimited' or Mbit/s above 0, got {part!r}")
         rates.append(rate)
     if None not in rates:
-        raise argparse.ArgumentTypeError("include 'unlimited': the model's compute time c is measured there")
+        raise argparse.ArgumentTypeError(
+            "include 'unlimited': the model's L (a sync's link time without a limit) is measured there"
+        )
     return rates
 
 

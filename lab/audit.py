@@ -47,48 +47,55 @@ class CollectiveClock:
         self.lock = threading.Lock()
         self.seconds = 0.0
         self.per_call = True
-        self.calls = {kind: [] for kind in PER_CALL_KINDS}  # since take_calls: each call's seconds, in order
-        self.event_pairs = []  # on GPU: (kind, start, end) events not yet read
+        self.calls = {kind: [] for kind in PER_CALL_KINDS}  # since take_calls: (order, seconds) of each call
+        self.started = 0  # calls started so far: each call's place in the order they were made
+        self.event_pairs = []  # on GPU: (kind, order, start, end) events not yet read
 
     def start(self):
+        """stop()'s token: the call's place in the order the calls were made (their callbacks can complete in
+        another order on each rank), and its start."""
+        with self.lock:
+            self.started += 1
+            order = self.started
         if self.on_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
-        return time.perf_counter()
+            return order, event
+        return order, time.perf_counter()
 
     def stop(self, started, kind="other"):
+        order, stamp = started
         kind = kind if self.per_call else "other"
         if self.on_cuda:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()  # in a future's callback, after the collective on its stream
             with self.lock:
-                self.event_pairs.append((kind, started, ended))
+                self.event_pairs.append((kind, order, stamp, ended))
             return
-        self.add(kind, time.perf_counter() - started)
+        self.add(kind, time.perf_counter() - stamp, order)
 
-    def add(self, kind, elapsed):
+    def add(self, kind, elapsed, order=0):
         with self.lock:
             self.seconds += elapsed
             if kind in self.calls:
-                self.calls[kind].append(elapsed)
+                self.calls[kind].append((order, elapsed))
 
     def total(self):
         if self.event_pairs:
             torch.cuda.synchronize()
             with self.lock:
                 pairs, self.event_pairs = self.event_pairs, []
-            for kind, start, end in pairs:
-                self.add(kind, start.elapsed_time(end) / 1000)
+            for kind, order, start, end in pairs:
+                self.add(kind, start.elapsed_time(end) / 1000, order)
         with self.lock:
             return self.seconds
 
     def take_calls(self):
-        """Each sync's and all-gather's seconds since the last take, in the order they were made."""
+        """Each sync's and all-gather's seconds since the last take, in the order the calls were made."""
         self.total()
         with self.lock:
             calls, self.calls = self.calls, {kind: [] for kind in PER_CALL_KINDS}
-        return calls
+        return {kind: [elapsed for _, elapsed in sorted(timed)] for kind, timed in calls.items()}
 
     def seconds_and_waits(self, device, group):
         """Since the last call, for the syncs and then the all-gathers: this rank's seconds in them and, of those,

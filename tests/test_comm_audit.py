@@ -117,7 +117,7 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
 
     def stop_many():
         for index in range(stops_per_thread):
-            clock.stop(0.0, ("sync", "all_gather", "other", "other")[index % 4])
+            clock.stop((index, 0.0), ("sync", "all_gather", "other", "other")[index % 4])
 
     threads = [threading.Thread(target=stop_many) for _ in range(8)]
     for thread in threads:
@@ -132,9 +132,10 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
 
 
 def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_call(measured):
-    """Syncs of 1 and 3 s on rank 0, 2 and 1 s on rank 1: the least per call is 1 and 1 s, so rank 0 waited
-    0 + 2 s and rank 1 1 + 0 s (a total beyond the least total would say 1 and 0 s); the all-gathers of
-    0.5 and 0.25 s: rank 0 waited 0.25 s. Ranks that timed different numbers of calls stop the run."""
+    """Syncs of 1 and 3 s on rank 0, 2 and 1 s on rank 1 (whose second call completed first): the least per
+    call is 1 and 1 s, so rank 0 waited 0 + 2 s and rank 1 1 + 0 s (a total beyond the least total would say
+    1 and 0 s; calls paired as they completed, 1 and 0 s too); the all-gathers of 0.5 and 0.25 s: rank 0 waited
+    0.25 s. Ranks that timed different numbers of calls stop the run."""
     assert [rank["timed"] for rank in measured["waits"]] == [[4.0, 2.0, 0.5, 0.25], [3.0, 1.0, 0.25, 0.0]]
     assert all("different numbers of syncs or all-gathers" in rank["refused"] for rank in measured["waits"])
 

@@ -72,12 +72,14 @@ def buffers_equal_rank_0s(model):
 
 def waits_of_known_calls():
     """CollectiveClock.seconds_and_waits on calls of known seconds: rank 0's two syncs took 1 and 3 s, rank 1's
-    2 and 1 s; their all-gather 0.5 and 0.25 s. Then on ranks that timed different numbers of syncs."""
+    2 and 1 s, its second completing first; their all-gather 0.5 and 0.25 s. Then on ranks that timed different
+    numbers of syncs."""
     rank = dist.get_rank()
     clock = audit.CollectiveClock("cpu")
-    for seconds in ((1.0, 3.0), (2.0, 1.0))[rank]:
-        clock.add("sync", seconds)
-    clock.add("all_gather", (0.5, 0.25)[rank])
+    completed = ([(1, 1.0), (2, 3.0)], [(2, 1.0), (1, 2.0)])[rank]  # (the call's order, its seconds)
+    for order, seconds in completed:
+        clock.add("sync", seconds, order)
+    clock.add("all_gather", (0.5, 0.25)[rank], 3)
     timed = clock.seconds_and_waits(CPU, None)
     for _ in range(rank + 1):
         clock.add("sync", 1.0)
