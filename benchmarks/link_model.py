@@ -9,9 +9,7 @@ between runs is not counted as the model's error:
 - s = max(L, W / R): L, the link's time per sync without a limit (the syncs' time less the ranks' wait),
   measured once on the unlimited runs; W the bits one sync puts through the link: the audit's bytes per sync,
   sent by both ranks (a two-rank all-reduce sends each rank's buffer once, half in its reduce-scatter and half
-  in its all-gather), framed as TCP/IP over Ethernet. The longer of the two, not their sum: a sync is several
-  calls in flight (DDP's buckets, FSDP's units), and each call's work off the wire (copies, the reduction, the
-  TCP stack) overlaps the bits queued behind the limit (link_seconds_at).
+  in its all-gather), framed as TCP/IP over Ethernet. The longer of the two, not their sum (link_seconds_at).
 Under FSDP (train.py --strategy fsdp) a sync is one reduce-scatter per unit, which gloo runs as an all-reduce
 of the whole padded gradient (the profiler's gloo:all_reduce events): W = both ranks' handed bytes, as DDP's;
 and every micro-batch also all-gathers the units, in both modes: max(L_g, G / R) more per micro-batch, G both
@@ -97,9 +95,11 @@ def unlimited_terms(rows):
 
 def link_seconds_at(latency, bits, rate):
     """A sync's (or a micro-batch's all-gathers') time on a link of `rate` bits/s (None: no limit): the longer
-    of its time without a limit and its bits at the rate. Not their sum: its calls are several in flight and
-    their work off the wire overlaps the bits queued behind the limit. Measured on the EPYC (2026-12-03), the
-    sum over-predicted FSDP's syncs by about L (at 1000 Mbit/s 33 to 45 ms per sync, W / R = 38 ms, L = 16 ms)."""
+    of its time without a limit and its bits at the rate: the bounds are full overlap of its work off the wire
+    (copies, the reduction, the TCP stack: gloo's ring reduces one piece while the next is on the wire, the
+    kernel sends from the socket buffers) with the bits queued behind the limit, and none (their sum). Chosen
+    after the sum over-predicted FSDP's syncs by about L on the EPYC (2026-12-03: at 1000 Mbit/s 33 to 45 ms per
+    sync, W / R = 38 ms, L = 16 ms); docs/levers.md has the run that tested it afterwards."""
     return latency if rate is None else max(latency, bits / rate)
 
 
@@ -308,8 +308,8 @@ def main():
     print(
         f"assumed: ring all-reduce, each rank sending 2(N-1)/N of {args.gradient_mb:g} MB per sync; "
         f"{'one half-duplex link shared by all ranks' if args.shared_link else 'full-duplex links, one per rank'}; "
-        f"TCP/IP framing x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f}; s = max(latency, bits / rate) (a sync's calls overlap "
-        f"their work off the wire with the bits queued); compute and syncs not overlapped; "
+        f"TCP/IP framing x {WIRE_BYTES_PER_PAYLOAD_BYTE:.4f}; s = max(latency, bits / rate) (a sync's work off the "
+        f"wire overlaps its bits on it); compute and syncs not overlapped; "
         f"a window costs A(c + s) under every and Ac + s under no_sync"
     )
     print(f"s = {sync * 1e3:.1f} ms per sync, r = s/c = {sync / (args.compute_ms / 1e3):.2f}")

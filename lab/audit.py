@@ -102,13 +102,13 @@ class CollectiveClock:
         its wait: in each call, its time beyond the least any rank spent there (that rank came last; the rest
         waited for it). Every rank made the same calls in the same order, or the run is broken: then this stops."""
         calls = list(self.take_calls().values())
-        lengths = torch.tensor([len(kind) for kind in calls] + [-len(kind) for kind in calls], device=device)
-        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-        if lengths[: len(calls)].tolist() != (-lengths[len(calls) :]).tolist():
-            raise RuntimeError(
-                f"the ranks timed different numbers of syncs or all-gathers in an epoch: {lengths.tolist()}"
-            )
         sizes = [len(kind) for kind in calls]
+        bounds = torch.tensor(sizes + [-size for size in sizes], device=device)  # the most and, negated, the fewest
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+        if bounds[: len(sizes)].tolist() != (-bounds[len(sizes) :]).tolist():
+            raise RuntimeError(
+                f"the ranks timed different numbers of syncs or all-gathers in an epoch: {bounds.tolist()}"
+            )
         durations = torch.tensor([seconds for kind in calls for seconds in kind], dtype=torch.float64, device=device)
         least = durations.clone()
         dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
