@@ -17,7 +17,7 @@ QUICK := artifacts/quick
 TEXT := artifacts/text
 TEXT_QUICK := artifacts/text-quick
 
-.PHONY: lab quick text text-quick test lint check compat compat-run clean
+.PHONY: lab quick text text-quick test test-fast lint check compat compat-run clean
 
 # A venv that failed half-way (no ensurepip: python3-venv missing) is removed, so that the next try starts clean.
 $(PY):
@@ -67,7 +67,12 @@ text-quick: $(VENV)/.requirements
 
 # The 15 slowest tests are listed at the end of every run, so that a slow one shows itself.
 test: $(VENV)/.requirements-dev
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --strict-markers --durations=15 tests
+
+# The inner loop: the tests that start no torchrun job of their own (they may read the session's shared pair,
+# one start), within 2 minutes; `make test` runs these and the rest (docs/tests.md).
+test-fast: $(VENV)/.requirements-dev
+	$(PY) -m pytest -q --strict-markers --durations=15 -m "not torchrun" tests
 
 # The style: ruff's formatter and linter (ruff.toml), checked, never rewritten here (`ruff format .` does).
 lint: $(VENV)/.requirements-dev

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torchvision import transforms
 
 CLASSES = (
     "airplane",
@@ -41,10 +40,23 @@ IMAGE_SIZE = 32
 # (docs); the counts, the split and the equivalence tests are unchanged. What they compute in: precision.py.
 MEMORY_FORMAT = torch.channels_last
 
-normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-eval_transform = transforms.Compose([transforms.ToTensor(), normalize])
-# Any picture a user hands to infer.py: made RGB by the caller, then brought to the training size.
-inference_transform = transforms.Compose([transforms.Resize((IMAGE_SIZE, IMAGE_SIZE)), eval_transform])
+TRANSFORMS = ("normalize", "eval_transform", "inference_transform")
+
+
+def __getattr__(name):
+    """normalize, eval_transform and inference_transform, made at their first use (`from model import
+    eval_transform` is one): they need torchvision, whose import costs a process about 0.9 s (it imports
+    torch._dynamo), and training's default loader needs none of them."""
+    if name not in TRANSFORMS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from torchvision import transforms
+
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    eval_transform = transforms.Compose([transforms.ToTensor(), normalize])
+    # Any picture a user hands to infer.py: made RGB by the caller, then brought to the training size.
+    inference_transform = transforms.Compose([transforms.Resize((IMAGE_SIZE, IMAGE_SIZE)), eval_transform])
+    globals().update(normalize=normalize, eval_transform=eval_transform, inference_transform=inference_transform)
+    return globals()[name]
 
 
 # The stages that activation checkpointing recomputes (train.py --activation-checkpointing), as [start, stop)

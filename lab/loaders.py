@@ -18,23 +18,28 @@ from PIL import Image
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import transforms
 
-from model import IMAGE_SIZE, eval_transform, normalize
+import model
+from model import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SIZE
 
 LOADERS = ("tensor", "pil")
 CROP_PADDING = 4
 FLIP_PROBABILITY = 0.5
 AUGMENTATION = f"RandomCrop({IMAGE_SIZE}, padding={CROP_PADDING}), RandomHorizontalFlip({FLIP_PROBABILITY})"
 
-train_transform = transforms.Compose(
-    [
-        transforms.RandomCrop(IMAGE_SIZE, padding=CROP_PADDING),
-        transforms.RandomHorizontalFlip(FLIP_PROBABILITY),
-        transforms.ToTensor(),
-        normalize,
-    ]
-)
+
+def train_transform():
+    """The document's per-image augmentation (torchvision is imported only where the PIL loader is used)."""
+    from torchvision import transforms
+
+    return transforms.Compose(
+        [
+            transforms.RandomCrop(IMAGE_SIZE, padding=CROP_PADDING),
+            transforms.RandomHorizontalFlip(FLIP_PROBABILITY),
+            transforms.ToTensor(),
+            model.normalize,
+        ]
+    )
 
 
 def rank_share(size, rank, world_size):
@@ -60,7 +65,7 @@ class ImageArrayDataset(Dataset):
 
 
 def pil_loader(images, labels, indices, order, batch_size, augment, pin_memory):
-    dataset = Subset(ImageArrayDataset(images, labels, train_transform if augment else eval_transform), indices)
+    dataset = Subset(ImageArrayDataset(images, labels, train_transform() if augment else model.eval_transform), indices)
     if not isinstance(order, DistributedSampler):
         dataset, order = Subset(dataset, order), None
     return DataLoader(dataset, sampler=order, batch_size=batch_size, num_workers=0, pin_memory=pin_memory)
@@ -116,8 +121,8 @@ class TensorLoader:
         self.indices, self.order = indices, order
         self.batch_size = batch_size
         self.generator = generator  # None: no augmentation
-        self.mean = torch.as_tensor(normalize.mean, device=images.device).view(1, -1, 1, 1)
-        self.std = torch.as_tensor(normalize.std, device=images.device).view(1, -1, 1, 1)
+        self.mean = torch.as_tensor(CIFAR10_MEAN, device=images.device).view(1, -1, 1, 1)
+        self.std = torch.as_tensor(CIFAR10_STD, device=images.device).view(1, -1, 1, 1)
 
     def __len__(self):
         return math.ceil(len(self.order) / self.batch_size)

@@ -23,8 +23,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lab import audit, experiment
@@ -284,6 +282,10 @@ def wrap_sharded(model, device, world_size, group, config):
     # Every rank starts from rank 0's weights, as DDP's constructor makes it: each rank drew its own (seed + rank),
     # and fully_shard would keep each rank's slice of its own draw, a mix that no seed names.
     dist._broadcast_coalesced(process_group, list(model.state_dict().values()), experiment.BROADCAST_BUCKET_BYTES, 0)
+    # Imported here: torch.distributed.fsdp imports torch._dynamo, about 0.8 s a process that a ddp run spares.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(process_group, device.type)
     for unit in units(model):
         fully_shard(unit, mesh=mesh)

@@ -104,8 +104,35 @@ def verify(artifacts, *args):
     return run_in_process("verify.py", "--artifacts", artifacts, "--expect-from-config", *args)
 
 
+# The marker of every test that starts torchrun jobs of its own, through the helpers below or a benchmark:
+# `make test-fast` leaves them out and keeps the tests that start none, or read the session's shared pair.
+STARTS_TORCHRUN = "torchrun"
+RUNNING = {"test": None, "shared pair": False}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{STARTS_TORCHRUN}: starts torchrun jobs of its own (make test-fast leaves it out)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    RUNNING["test"] = item
+
+
+def starting_torchrun():
+    """A torchrun start belongs to a test marked torchrun (its fixtures' starts too), or to the shared pair:
+    the fast tier can then not grow a start unseen."""
+    test = RUNNING["test"]
+    assert RUNNING["shared pair"] or test is None or test.get_closest_marker(STARTS_TORCHRUN), (
+        f"{test.nodeid} starts torchrun: mark it @pytest.mark.{STARTS_TORCHRUN}"
+    )
+
+
 def torchrun(script, *args, env=None, timeout=600, launcher=()):
     """script under torchrun (two ranks on this node), with torchrun's own `launcher` options."""
+    starting_torchrun()
     return subprocess.run(
         [*TORCHRUN, *launcher, str(REPO / script), *map(str, args)],
         capture_output=True,
@@ -119,6 +146,7 @@ def torchrun(script, *args, env=None, timeout=600, launcher=()):
 def start_train(*args, launcher=()):
     """train.py under torchrun, started and returned at once: in a session of its own (a test can signal the
     whole job), its output piped."""
+    starting_torchrun()
     return subprocess.Popen(
         [*TORCHRUN, *launcher, str(REPO / "train.py"), *map(str, args)],
         stdout=subprocess.PIPE,
@@ -135,6 +163,21 @@ def train(data_dir, output, mode, *extra, env=None, launcher=()):
         "train.py", "--mode", mode, "--output", output, "--data-dir", data_dir, *SMALL_RUN, *extra,
         env=env, launcher=launcher,
     )  # fmt: skip
+
+
+def train_in_one_start(logs, *runs, env=None):
+    """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
+    start's cost for all. Returns each run's rank-0 output as a finished process's."""
+    logs.mkdir(parents=True, exist_ok=True)
+    options = [argument for run in runs for argument in ("--", *map(str, run))]
+    start = torchrun(WORKERS.relative_to(REPO) / "runs.py", logs, *options, env=env)
+    assert_ok(start)
+    return [
+        subprocess.CompletedProcess(
+            run, start.returncode, *((logs / f"{number}.rank0.{stream}").read_text() for stream in ("stdout", "stderr"))
+        )
+        for number, run in enumerate(runs)
+    ]
 
 
 def assert_ok(result):
@@ -228,14 +271,21 @@ PROFILED = ["--profile-windows", "2"]
 
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory, image_data):
-    """Both modes trained once on the image-folder data, profiled (PROFILED): every with progress lines,
-    no_sync with --quiet. The reruns in test_e2e.py, unprofiled, must match them bit for bit."""
+    """Both modes trained once on the image-folder data, in one torchrun start, profiled (PROFILED): every with
+    progress lines, no_sync with --quiet. The reruns in test_e2e.py, each train.py's own command, unprofiled,
+    must match them bit for bit."""
     artifacts = tmp_path_factory.mktemp("runs") / "artifacts"
-    results = {
-        "every": assert_ok(train(image_data, artifacts / "every", "every", *PROFILED, "--progress-every", "0")),
-        "no_sync": assert_ok(train(image_data, artifacts / "no_sync", "no_sync", *PROFILED, "--quiet")),
-    }
-    return artifacts, results
+    common = ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
+    RUNNING["shared pair"] = True
+    try:
+        every, no_sync = train_in_one_start(
+            artifacts.parent / "logs",
+            ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
+            ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
+        )
+    finally:
+        RUNNING["shared pair"] = False
+    return artifacts, {"every": every, "no_sync": no_sync}
 
 
 @pytest.fixture

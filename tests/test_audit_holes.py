@@ -118,6 +118,7 @@ def test_the_steps_agreement_reads_nothing_from_the_host_and_nothing_back(one_pr
 # ----------------------------------------------------------------------------- real runs the audit refuses
 
 
+@pytest.mark.torchrun
 def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
     """Rank 1 moves one weight by one ulp after its 8th step (epoch 2, step 3): the smallest difference there is."""
     artifacts, _ = lab_runs
@@ -134,6 +135,7 @@ def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
     )
 
 
+@pytest.mark.torchrun
 def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_path):
     """The optimizer finds no gradients (tests/inject): every count, position, agreement and BatchNorm counter
     holds, and the run sits at chance (so the working pipeline's accuracy, above 0.5 in test_e2e.py, is evidence
@@ -153,6 +155,7 @@ def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_
     )
 
 
+@pytest.mark.torchrun
 def test_ranks_that_read_the_same_samples_are_refused(lab_runs, image_data, tmp_path):
     """Every rank reads rank 0's shard: the averaged gradients agree, so the fingerprints cannot see it; the
     epoch's shards can."""
@@ -180,6 +183,7 @@ def test_the_shared_runs_record_disjoint_shards_and_steps_that_changed_the_weigh
             assert row["first_nonfinite_step"] is None
 
 
+@pytest.mark.torchrun
 def test_non_finite_values_on_every_rank_are_reported_as_such(lab_runs, image_data, tmp_path):
     """A NaN in one gradient on every rank in step 2, which the step writes into the parameters: the ranks still
     agree (the same bits), and verify.py says what happened, not that the ranks disagreed."""
@@ -317,6 +321,7 @@ def test_a_dead_nccl_peer_ends_the_job_within_a_minute(monkeypatch):
     assert launch.NCCL_TIMEOUT + timedelta(seconds=15) <= timedelta(minutes=1)
 
 
+@pytest.mark.torchrun
 def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(image_data, tmp_path):
     """Closing the process groups hangs in the job's first start (tests/inject): the watchdog ends each process
     after 10 s with one line from the node (SIGKILL), the run it closes complete. Under --max-restarts the
@@ -326,7 +331,7 @@ def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(ima
     hang = subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1")
     started = time.monotonic()
     result = train(image_data, output, "every", "--quiet", "--epochs", "1", env=hang, launcher=["--max-restarts=1"])
-    assert time.monotonic() - started < 90
+    assert time.monotonic() - started < 120  # against a hang: 5x the 20 s measured on the AVX2 kind
     assert_ok(result)
     lines = [line for line in result.stderr.splitlines() if "did not close within" in line]
     assert lines == [

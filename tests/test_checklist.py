@@ -56,6 +56,7 @@ def refusal(result):
     return line
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("way", ["loop", "beneath"])
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_each_bug_is_refused_naming_its_checklist_item(bug, way, injected_runs, tmp_path):
@@ -72,6 +73,7 @@ def test_each_bug_is_refused_naming_its_checklist_item(bug, way, injected_runs, 
     assert line.endswith(certify.item(item)), line
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("way", ["loop", "beneath"])
 def test_a_compression_label_that_lies_is_refused_by_the_bytes_handed_to_the_collective(way, injected_runs):
     """--comm-hook bf16 whose hook sends float32 (in train.py's hook, or in torch's _compress_hook): the run
@@ -228,6 +230,7 @@ def test_ranks_that_shared_a_gpu_are_refused_after_every_other_item(lab_runs, tm
     )
 
 
+@pytest.mark.torchrun
 def test_correct_runs_in_float32_pass_within_the_tighter_bounds(injected_runs):
     """The lab unchanged, in float32 (what `auto` takes on a CPU without BF16 instructions): the loss scale read
     within float32's bound, every item observed, AUDIT PASSED."""

@@ -207,6 +207,7 @@ def checkpointed_runs(image_data, tmp_path_factory):
     return artifacts
 
 
+@pytest.mark.torchrun
 def test_checkpointed_runs_pass_the_audit_with_the_plain_runs_counts(checkpointed_runs, lab_runs):
     result = verify(checkpointed_runs)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -235,6 +236,7 @@ def test_checkpointed_runs_pass_the_audit_with_the_plain_runs_counts(checkpointe
         assert read_json(checkpointed_runs / mode / "run.json")["config"]["activation_checkpointing"] is True
 
 
+@pytest.mark.torchrun
 def test_verify_refuses_to_compare_a_checkpointed_run_with_a_plain_one(checkpointed_runs, lab_runs, tmp_path):
     shutil.copytree(lab_runs[0] / "every", tmp_path / "every")
     shutil.copytree(checkpointed_runs / "no_sync", tmp_path / "no_sync")
@@ -243,6 +245,7 @@ def test_verify_refuses_to_compare_a_checkpointed_run_with_a_plain_one(checkpoin
     )
 
 
+@pytest.mark.torchrun
 def test_reentrant_checkpointing_in_train_py_stops_with_one_line(image_data, tmp_path):
     result = train_run(
         image_data,
@@ -259,6 +262,7 @@ def test_reentrant_checkpointing_in_train_py_stops_with_one_line(image_data, tmp
     )
 
 
+@pytest.mark.torchrun
 def test_statistics_updated_twice_are_caught_by_verify(checkpointed_runs, image_data, tmp_path):
     """The recomputation left to update BatchNorm again: every count, loss and gradient is right, and only the
     BatchNorm counters (and running statistics) of the saved model give it away."""

@@ -29,6 +29,7 @@ def rows(measured):
     return measured["rows"]
 
 
+@pytest.mark.torchrun
 def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
     """With every lever: the hook's calls and DDP's own used-parameter-map all-reduces (searching for unused
     parameters: one per sync; a static graph: one, at the first) are the profiler's all-reduces, less the lab's."""
@@ -52,6 +53,7 @@ def test_hook_calls_are_the_profilers_gradient_allreduces(rows):
     )
 
 
+@pytest.mark.torchrun
 def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
     for row in rows:
         audit = row["audit"]
@@ -62,6 +64,7 @@ def test_buffer_and_rebuild_broadcasts_are_the_profilers_broadcasts(rows):
         assert audit["buffer_broadcast_collectives"] > 0 and audit["rebuild_broadcast_collectives"] == 2 * rebuilds, row
 
 
+@pytest.mark.torchrun
 def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
     """Each rank's last training forward updates its own running statistics; the evaluation's first forward
     broadcasts rank 0's, so the model every rank evaluates (and rank 0 saves) is one."""
@@ -69,6 +72,7 @@ def test_after_an_evaluation_every_rank_holds_rank_0s_batchnorm_buffers(rows):
         assert row["buffers_equal"] == {"after training": False, "after evaluation": True}, row
 
 
+@pytest.mark.torchrun
 def test_measured_counts_equal_the_expected_counts(rows):
     sizes = experiment.comm_sizes(CifarCNN())
     for row in rows:
@@ -85,6 +89,7 @@ def test_measured_counts_equal_the_expected_counts(rows):
         assert {key: expected[key] for key in row["audit"]} == row["audit"], row
 
 
+@pytest.mark.torchrun
 def test_no_sync_cuts_every_kind_of_collective(rows):
     documented = [row for row in rows if row["setting"] == "documented"]
     every = {row["epoch"]: row for row in documented if row["mode"] == "every"}
@@ -95,6 +100,7 @@ def test_no_sync_cuts_every_kind_of_collective(rows):
         assert every[epoch]["profiler_broadcasts"] > no_sync[epoch]["profiler_broadcasts"]
 
 
+@pytest.mark.torchrun
 def test_the_bucket_size_must_be_explicit(measured):
     """SPEC correction 5: with DDP's default bucket_cap_mb the first bucket is capped at 1 MiB after the
     rebuild, so each sync makes two hook calls; the lab's explicit 25 MB keeps one."""
@@ -131,6 +137,7 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
     assert clock.take_calls() == {"sync": [], "all_gather": []}
 
 
+@pytest.mark.torchrun
 def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_call(measured):
     """Syncs of 1 and 3 s on rank 0, 2 and 1 s on rank 1 (whose second call completed first): the least per
     call is 1 and 1 s, so rank 0 waited 0 + 2 s and rank 1 1 + 0 s (a total beyond the least total would say

@@ -140,6 +140,7 @@ def test_a_missing_class_or_an_unreadable_image_is_one_error(tmp_path):
         data.load_data(broken)
 
 
+@pytest.mark.torchrun
 def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
     env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
     result = run_train(tmp_path / "empty", tmp_path / "out", "every", env=env)
@@ -147,6 +148,7 @@ def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
     assert "image-folder tree" in line and "cifar-10-python.tar.gz" in line
 
 
+@pytest.mark.torchrun
 def test_torchvision_layout_end_to_end_counts(tmp_path):
     """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
     synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", SOURCE_IMAGES, TEST_IMAGES)

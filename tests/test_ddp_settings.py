@@ -30,6 +30,7 @@ def matrix(tmp_path_factory):
     return rows, record, result.stdout
 
 
+@pytest.mark.torchrun
 def test_every_setting_counts_what_its_derivation_says_and_the_witness_saw(matrix):
     rows, _, _ = matrix
     for (setting, mode), row in rows.items():
@@ -41,6 +42,7 @@ def test_every_setting_counts_what_its_derivation_says_and_the_witness_saw(matri
         assert row["counts"]["gradient_syncs"] == syncs, (setting, mode)
 
 
+@pytest.mark.torchrun
 def test_each_lever_changes_exactly_its_own_counts(matrix):
     rows, _, _ = matrix
     for mode, syncs in (("every", 8), ("no_sync", 2)):
@@ -75,6 +77,7 @@ def test_each_lever_changes_exactly_its_own_counts(matrix):
     }
 
 
+@pytest.mark.torchrun
 def test_levers_that_do_not_touch_the_numbers_train_the_same_weights_bit_for_bit(matrix):
     """Bucketing, the search for unused parameters, gradients as bucket views and a static graph change how
     DDP all-reduces, not what; without broadcast_buffers rank 0's BatchNorm statistics are its own either way."""
@@ -92,6 +95,7 @@ def test_levers_that_do_not_touch_the_numbers_train_the_same_weights_bit_for_bit
     assert rows["static_graph=True", "every"]["weights_equal_documented"] is True
 
 
+@pytest.mark.torchrun
 def test_compression_changes_the_gradients_by_its_rounding_and_no_more(matrix):
     rows, record, stdout = matrix
     for hook, unit_roundoff in (("bf16", 2**-8), ("fp16", 2**-11)):
@@ -105,6 +109,7 @@ def test_compression_changes_the_gradients_by_its_rounding_and_no_more(matrix):
         assert f"| {hook} | {measured['relative_difference']:.2e} |" in stdout
 
 
+@pytest.mark.torchrun
 def test_static_graph_inside_no_sync_is_refused_with_one_line(matrix):
     """torch 2.8's reducer fails an internal assert at the first backward inside no_sync() with
     static_graph=True (pytorch/pytorch#143580): one line naming the option, the torch version and the issue."""
@@ -114,6 +119,7 @@ def test_static_graph_inside_no_sync_is_refused_with_one_line(matrix):
     assert f"on torch {torch.__version__} (pytorch/pytorch#143580)" in line and line in stdout
 
 
+@pytest.mark.torchrun
 def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path):
     """Both modes with three levers at once, audited against their own configuration; a pair whose hooks differ
     and the strict audit both name the lever."""
@@ -145,6 +151,7 @@ def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path
     assert_one_line_error(verify(mixed), "come from different configurations (comm_hook: 'bf16' vs 'fp16')", code=1)
 
 
+@pytest.mark.torchrun
 def test_static_graph_with_no_sync_stops_train_py_with_one_line(image_data, tmp_path):
     result = train(image_data, tmp_path / "out", "no_sync", "--static-graph", "--epochs", "1", "--quiet")
     assert_train_error(result, "RuntimeError: --static-graph with no_sync(): DDP failed", "pytorch/pytorch#143580")

@@ -62,17 +62,19 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["rebuild_broadcast_collectives"] == (
                 2 if row["epoch"] == 1 else 0
             )  # DDP's one-time bucket rebuild
-            assert row["comm_seconds"] > 0 and row["epoch_seconds"] > row["comm_seconds"]
-            # The syncs' share of it, and of that the ranks' wait for one another; DDP gathers nothing.
-            assert 0 < row["sync_seconds"] < row["comm_seconds"] and 0 <= row["sync_wait_seconds"] < row["sync_seconds"]
+            # Times are recorded, never judged here (a shared machine promises no speed): each clock ran, and DDP
+            # gathers nothing. The clock's arithmetic is tested on calls of known seconds (test_comm_audit.py).
+            for clock in ("comm_seconds", "epoch_seconds", "sync_seconds", "validation_seconds"):
+                assert row[clock] > 0, clock
+            assert row["sync_wait_seconds"] >= 0
             assert row["all_gather_seconds"] == row["all_gather_wait_seconds"] == 0
-            assert row["validation_seconds"] > 0
             # 20 micro-batches per epoch in windows of 4: where the syncs and steps happened, not only how many.
             assert row["gradient_sync_positions"] == ([[0, 20, 1]] if mode == "every" else [[3, 20, 4]])
             assert row["optimizer_step_positions"] == [[3, 20, 4]]
             assert row["train_images_per_second"] > 0
 
 
+@pytest.mark.torchrun
 def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, tmp_path):
     """80 images per rank in micro-batches of 20: one window per epoch. no_sync's only sync is the epoch's
     last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
@@ -195,6 +197,7 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
     assert np.allclose(list(output["probabilities"].values()), probabilities.tolist(), atol=1e-6)
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("mode", ["every", "no_sync"])
 def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path, mode):
     """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix.
@@ -216,6 +219,7 @@ def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_
     assert first_report["confusion_matrix"] == second_report["confusion_matrix"]
 
 
+@pytest.mark.torchrun
 def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
     """The synthetic data are learnable only through their labels: with the training labels shuffled
     the same pipeline stays near chance, so the quick run's accuracy means something."""

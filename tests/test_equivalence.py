@@ -51,11 +51,13 @@ def agrees(variant, tolerance, steps=None):
     )
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("precision", ["float64", "float32", "bfloat16_autocast"])
 def test_counting_hook_keeps_ddps_averaging(results, precision):
     assert results[precision]["hook_max_difference"] == 0.0
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_equals_the_reference_summed_in_the_same_order_bit_for_bit(results, case, mode):
@@ -67,6 +69,7 @@ def test_float32_equals_the_reference_summed_in_the_same_order_bit_for_bit(resul
     assert variant["grad_relative"] == variant["param_relative"] == [0.0] * steps
 
 
+@pytest.mark.torchrun
 def test_nanogpts_require_backward_grad_sync_idiom_is_no_sync_to_the_bit(results):
     """nanoGPT sets `model.require_backward_grad_sync` before each forward instead of entering no_sync(): the
     same flag no_sync() clears and restores, so the same syncs, the same gradients and the same weights."""
@@ -76,6 +79,7 @@ def test_nanogpts_require_backward_grad_sync_idiom_is_no_sync_to_the_bit(results
     assert variant["grad_relative"] == variant["param_relative"] == [0.0] * 3
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_first_update_matches_the_plain_sum(results, case, mode):
@@ -83,6 +87,7 @@ def test_float32_first_update_matches_the_plain_sum(results, case, mode):
     assert agrees(variant, FLOAT32_FIRST_STEP_TOLERANCE, steps=1), variant
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", MODES)
 def test_float64_every_step_matches_the_plain_sum(results, case, mode):
@@ -93,6 +98,7 @@ def test_float64_every_step_matches_the_plain_sum(results, case, mode):
     assert agrees(variant, FLOAT64_TOLERANCE), variant
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "case, broken",
     [
@@ -109,6 +115,7 @@ def test_the_comparison_catches_a_broken_accumulation(results, case, broken):
     assert variant["steps"] != variant["reference_steps"] or max(variant["grad_relative"]) > 1e-3
 
 
+@pytest.mark.torchrun
 def test_a_short_last_micro_batch_is_normalized_per_sample(results):
     """Half a batch last (4 of 8 images per rank): train.py's divisors (experiment.sample_plan: the window's
     samples over the micro-batch's) give one process's mean over the window's samples in float64, every step, in
@@ -120,6 +127,7 @@ def test_a_short_last_micro_batch_is_normalized_per_sample(results):
     assert max(case["broken_short_micro_batch_divided_by_window_length"]["grad_relative"]) > 1e-3
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_autocast_first_update_matches_the_plain_sum(results, mode):
     steps, syncs = CASES["full_windows"]
@@ -129,6 +137,7 @@ def test_bfloat16_autocast_first_update_matches_the_plain_sum(results, mode):
     assert agrees(variant, BFLOAT16_AUTOCAST_FIRST_STEP_TOLERANCE, steps=1), variant
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "broken", ["broken_no_sync_on_wrong_micro_batch", "broken_loss_not_divided", "broken_step_inside_window"]
 )
@@ -138,6 +147,7 @@ def test_under_bfloat16_autocast_the_comparison_still_catches_a_broken_accumulat
     assert variant["steps"] != variant["reference_steps"] or max(variant["grad_relative"][:1]) > 0.1
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp_float64_every_step_matches_the_plain_sum(results, mode):
     """--strategy fsdp (lab/sharded.py) in both modes: one process's updates to rounding, every step."""
@@ -148,6 +158,7 @@ def test_fsdp_float64_every_step_matches_the_plain_sum(results, mode):
     assert agrees(variant, FLOAT64_TOLERANCE), variant
 
 
+@pytest.mark.torchrun
 def test_fsdp_equals_ddp_in_float32(results):
     """no_sync: each rank sums its window in the same order under both strategies, then DDP halves and adds
     (a / 2 + b / 2) where FSDP adds and halves ((a + b) / 2): with two ranks halving is exact, so the two are the
@@ -162,6 +173,7 @@ def test_fsdp_equals_ddp_in_float32(results):
         assert agrees(fsdp[mode], FLOAT32_FIRST_STEP_TOLERANCE, steps=1), fsdp[mode]
 
 
+@pytest.mark.torchrun
 def test_fsdps_own_reduction_is_twice_the_mean_where_gloo_sums(results):
     """FSDP hands gloo's reduce-scatter ReduceOp.AVG for float32 gradients; torch 2.8's gloo sums
     (pytorch/pytorch#162338, asked in the worker): without the lab's correction every gradient is then twice the

@@ -74,11 +74,13 @@ def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):
     assert (tmp_path / "foreign" / "thesis.tex").read_text() == "keep me"
 
 
+@pytest.mark.torchrun
 def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):
     result = train(image_data, tmp_path / "out", "every", "--device", "cuda")
     assert_train_error(result, "--device cuda needs one GPU per process: 2 processes on this node, 0 GPU(s) visible")
 
 
+@pytest.mark.torchrun
 def test_a_partial_last_window_stops_before_training_with_the_documents_message(image_data, tmp_path):
     # 80 images per rank in micro-batches of 12: 7 micro-batches, not a multiple of 4.
     result = train(image_data, tmp_path / "out", "every", "--batch-size", "12")
@@ -87,6 +89,7 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
     assert not tmp_path.joinpath("out").exists() and records.unfinished_runs(tmp_path / "out") == []
 
 
+@pytest.mark.torchrun
 def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     """Also at the bounds of --seed and --bucket-cap-mb, which are torch's own: 1 epoch on 2 ranks uses seeds up
     to 2**64 - 1; one past them is refused at parse time (test_bad_numbers_and_choices_get_one_line)."""
@@ -155,6 +158,7 @@ def stop_run(launcher):
     launcher.wait()
 
 
+@pytest.mark.torchrun
 def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs, image_data, tmp_path):
     artifacts, _ = lab_runs
     output = tmp_path / "every"
@@ -181,6 +185,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout
 
 
+@pytest.mark.torchrun
 def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_alone(image_data, tmp_path):
     """Before, the second run removed every partial folder beside the output, the first run's included, and
     the first died mid-training. Now the first holds the output's lock; the second stops naming it."""
@@ -189,7 +194,7 @@ def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_a
     try:
         started = time.monotonic()
         result = train(image_data, output, "every", "--quiet")
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < 90  # against a hang: 5x the 13 s measured on the AVX2 kind
         assert_train_error(
             result,
             f"train.py: error: [rank 0, node 0] --output {output} is being written by a run that is still going "
@@ -202,6 +207,7 @@ def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_a
         stop_run(first)
 
 
+@pytest.mark.torchrun
 def test_a_rank_that_raises_takes_the_job_down(image_data, tmp_path):
     started = time.monotonic()
     result = train(image_data, tmp_path / "out", "every", env=subprocess_env(LAB_TEST_RAISE_AT_STEP="1:3"))

@@ -232,6 +232,7 @@ def test_temporary_names_are_unique_even_for_equal_pids(tmp_path, monkeypatch):
     assert len(set(used)) == 2
 
 
+@pytest.mark.torchrun
 def test_nodes_sharing_one_data_folder_decode_it_once(tmp_path, image_data):
     """Two nodes, one data folder (a shared filesystem), no cache yet: one node decodes while the other waits
     for it, and both train on the one cache."""
@@ -251,6 +252,7 @@ def test_nodes_sharing_one_data_folder_decode_it_once(tmp_path, image_data):
     assert len(list(shared.glob(".decoded-*.npz"))) == 1 and not list(shared.glob(".*tmp-*"))
 
 
+@pytest.mark.torchrun
 def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_loaders(lab_runs, image_data, tmp_path):
     artifacts, _ = lab_runs
     mixed = tmp_path / "artifacts"

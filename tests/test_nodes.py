@@ -23,6 +23,7 @@ from conftest import (
     assert_ok,
     assert_train_error,
     read_json,
+    starting_torchrun,
     subprocess_env,
     verify,
 )
@@ -35,6 +36,7 @@ NODE_FAILURE_SECONDS = 60
 def start_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO, REPO), restarts=0):
     """train.py on two nodes, node r started in folders[r] with node_args[r], node_env[r] added to env, from
     checkouts[r] (the lab's own by default); torchrun restarts failed workers `restarts` times."""
+    starting_torchrun()
     port = loopback.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
@@ -92,6 +94,7 @@ def two_node_runs(tmp_path_factory, image_data):
     return folders, node_stderr
 
 
+@pytest.mark.torchrun
 def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_runs):
     (node0, node1), node_stderr = two_node_runs
     artifacts, _ = lab_runs
@@ -119,6 +122,7 @@ def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_run
         )
 
 
+@pytest.mark.torchrun
 def test_verify_passes_on_a_two_node_pair(two_node_runs):
     (node0, _), _ = two_node_runs
     result = verify(node0 / "artifacts")
@@ -142,6 +146,7 @@ def assert_both_nodes_stop(results, seconds, *fragments):
         assert_train_error(result, *fragments, store_may_go_first=True)
 
 
+@pytest.mark.torchrun
 def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     cat = sorted((node1 / "data" / "train" / "cat").iterdir())[0]
@@ -156,6 +161,7 @@ def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_dat
     assert [path.name for path in (node0 / "artifacts").iterdir()] == [".every.lock"]
 
 
+@pytest.mark.torchrun
 def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     shutil.rmtree(node1 / "data")
@@ -166,6 +172,7 @@ def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_dat
     )
 
 
+@pytest.mark.torchrun
 def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     every, _ = same_run("every")
@@ -176,6 +183,7 @@ def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
     )
 
 
+@pytest.mark.torchrun
 def test_a_node_that_expects_another_world_size_stops_both(tmp_path, image_data):
     """The check of the world's size runs on every rank and is agreed: a node that refuses it alone does not
     leave the other waiting for it in the process group's start."""
@@ -185,6 +193,7 @@ def test_a_node_that_expects_another_world_size_stops_both(tmp_path, image_data)
     assert_both_nodes_stop(results, seconds, "ValueError: [rank 1, node 1] expected world_size=4, got 2")
 
 
+@pytest.mark.torchrun
 def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     args, _ = same_run("every", ["--epochs", "50"])
@@ -203,6 +212,7 @@ def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_d
     ].stderr[-3000:]
 
 
+@pytest.mark.torchrun
 def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_data):
     """--device auto on node 1 with a GPU for its one process (faked: CI has none) and on node 0 without."""
     node0, node1 = node_folders(tmp_path, image_data)
@@ -215,6 +225,7 @@ def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_dat
     )
 
 
+@pytest.mark.torchrun
 def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     good, _ = same_run("every")
@@ -226,6 +237,7 @@ def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
     )
 
 
+@pytest.mark.torchrun
 def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data):
     """One process per node leaves the thread count to the node: 1 here, 2 there. Their sums differ in the last
     bits; the step fingerprints (exact integer sums of the values' bits) do not, and verify.py passes both modes."""
@@ -242,6 +254,7 @@ def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data)
         assert [row["steps_with_ranks_agreed"] for row in rows] == [row["optimizer_steps"] for row in rows]
 
 
+@pytest.mark.torchrun
 def test_a_node_running_other_code_stops_both(tmp_path, image_data):
     """Node 1 runs a stale checkout: its lab/audit.py differs by one comment."""
     node0, node1 = node_folders(tmp_path, image_data)
@@ -260,6 +273,7 @@ def test_a_node_running_other_code_stops_both(tmp_path, image_data):
     )
 
 
+@pytest.mark.torchrun
 def test_a_node_with_another_torch_stops_both(tmp_path, image_data):
     node0, node1 = node_folders(tmp_path, image_data)
     env = subprocess_env(LAB_TEST_NODE_TORCH_VERSION="1:2.7.0")

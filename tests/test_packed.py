@@ -118,6 +118,7 @@ def test_the_split_is_by_document_and_seeded():
     assert packed.split_documents(79, seed=48) != (train, validation, test)
 
 
+@pytest.mark.torchrun
 def test_every_and_no_sync_equal_one_process_over_the_windows_tokens():
     """float64: every step within 1e-12 of the one-process reference (measured about 5e-15); micro-batch
     normalization and a per-rank token normalization are off by far more; BF16 autocast: the first update."""
@@ -154,6 +155,7 @@ def expected_window_tokens(config, epoch):
     ]
 
 
+@pytest.mark.torchrun
 def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(documented):
     checked = assert_ok(text_verify(documented / "tokens"))
     assert "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.25x" in checked.stdout
@@ -177,6 +179,7 @@ def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(docu
         assert report["model_test_loss"] < report["baseline_loss"] and report["continuation"]["greedy"]
 
 
+@pytest.mark.torchrun
 def test_strict_verify_refuses_micro_batch_normalization_naming_the_measured_bias(documented):
     refused = text_verify(documented / "micro-batch")
     assert refused.returncode == 1, refused.stdout + refused.stderr
@@ -190,6 +193,7 @@ def test_strict_verify_refuses_micro_batch_normalization_naming_the_measured_bia
     assert "AUDIT PASSED" in checked.stdout
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "broken, item, seen",
     [
@@ -208,6 +212,7 @@ def test_a_loss_broken_beneath_the_loop_is_refused(one_epoch, tmp_path, broken, 
     assert seen in refused.stderr and f"[checklist item {item}:" in refused.stderr, refused.stderr
 
 
+@pytest.mark.torchrun
 def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_path):
     output = tmp_path / "every"
     env = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_KILL_AT="saved:1")
@@ -231,6 +236,7 @@ def test_each_tasks_options_and_defaults(tmp_path):
     assert (args.epochs, args.batch_size, args.partial_window, args.loss_normalization) == (5, 50, "error", "tokens")
 
 
+@pytest.mark.torchrun
 def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
     refused = text_train(tmp_path / "a", "every", env=subprocess_env(LAB_TEST_TEXT_NO_CORPUS="1"))
     assert_train_error(refused, "the text task reads pydoc_data.topics, which this Python does not have")

@@ -100,6 +100,7 @@ def test_verify_prints_the_precision(lab_runs):
     assert f"  precision {config['precision']} on {config['hardware'][0]}" in result.stdout
 
 
+@pytest.mark.torchrun
 def test_verify_refuses_runs_of_different_precision(tmp_path):
     """every in float32 and no_sync in BF16 on a tiny dataset (BF16 is emulated on CPUs without BF16
     instructions, 13x slower): both pass alone, and verify.py refuses the pair, naming the precision."""
@@ -118,6 +119,7 @@ def test_verify_refuses_runs_of_different_precision(tmp_path):
     assert "rerun both modes with the same settings" in line
 
 
+@pytest.mark.torchrun
 def test_nodes_whose_cpus_would_choose_differently_both_stop(tmp_path, image_data):
     """Node 1 decides as a CPU without BF16 instructions, node 0 as one with them: one line naming node 1."""
     node0, node1 = node_folders(tmp_path, image_data)

@@ -132,6 +132,7 @@ def test_a_profile_that_is_not_the_runs_own_fails(runs):
     )
 
 
+@pytest.mark.torchrun
 def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
     result = train(image_data, tmp_path / "out", "every", "--profile-windows", "4", "--quiet")
     assert_train_error(

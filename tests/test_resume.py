@@ -106,9 +106,10 @@ def preempted(image_data, tmp_path_factory):
     return output, code, stderr, seconds
 
 
+@pytest.mark.torchrun
 def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted):
     output, code, stderr, seconds = preempted
-    assert seconds < 30
+    assert seconds < 60  # against a hang, not a speed
     lines = [line for line in stderr.splitlines() if "preempted at epoch" in line]
     assert lines == ["train.py: preempted at epoch 2, window 2: its state is saved; resume with --resume"]
     assert code != 0  # torchrun reports the signal it got; the ranks exited with resume.PREEMPTED_EXIT_CODE
@@ -123,6 +124,7 @@ def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted
     assert not output.exists()
 
 
+@pytest.mark.torchrun
 def test_resume_finishes_the_preempted_run_bit_for_bit(preempted, uninterrupted, image_data, tmp_path):
     output, _, _, _ = preempted
     copy = tmp_path / "artifacts" / "no_sync"
@@ -142,6 +144,7 @@ def preempted_copy(preempted, tmp_path):
     return tmp_path / "artifacts" / "no_sync", partial
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("damage", ["truncated", "altered"])
 def test_a_saved_state_cut_short_or_altered_is_refused(preempted, image_data, tmp_path, damage):
     output, partial = preempted_copy(preempted, tmp_path)
@@ -155,12 +158,14 @@ def test_a_saved_state_cut_short_or_altered_is_refused(preempted, image_data, tm
     assert state.is_file()  # refused, nothing removed
 
 
+@pytest.mark.torchrun
 def test_a_first_start_without_resume_replaces_the_unfinished_run(preempted, image_data, tmp_path):
     output, partial = preempted_copy(preempted, tmp_path)
     assert_ok(train(image_data, output, "no_sync", "--epochs", "1", "--quiet"))
     assert not partial.exists() and read_json(output / "history.json")[0]["resumed_at"] == []
 
 
+@pytest.mark.torchrun
 def test_two_nodes_restarted_after_one_dies_finish_and_pass_the_audit(uninterrupted, tmp_path, image_data):
     """Node 1's worker killed in epoch 2; both torchrun agents restart their workers (c10d rendezvous,
     --max-restarts=1), which resume from the last save and finish the run: the one-node run's model, and with
@@ -209,6 +214,7 @@ def test_only_this_job_and_this_configuration_count_as_finished(tmp_path):
 # ----------------------------------------------------------------------------- every boundary
 
 
+@pytest.mark.torchrun
 def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_is_finished(
     uninterrupted, image_data, tmp_path
 ):
@@ -248,6 +254,7 @@ def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_i
     assert "note:" not in checked.stdout  # one machine: no change of hardware to note
 
 
+@pytest.mark.torchrun
 def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into_the_same_run(
     uninterrupted, image_data, tmp_path
 ):

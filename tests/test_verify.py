@@ -314,6 +314,7 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
     assert_one_line_error(audit(runs), "epoch row 1: optimizer_step_positions must be [start, stop, step] runs", code=1)
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "broken, message",
     [
@@ -355,6 +356,7 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
     assert_one_line_error(audit(runs), f"{runs}/no_sync/history.json: {message}", code=1)
 
 
+@pytest.mark.torchrun
 def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, image_data, tmp_path):
     """Rank 1 moves one weight after its 8th optimizer step (epoch 2, step 3): the counts and positions are
     the correct run's, but the ranks' parameter fingerprints differ from that step on."""

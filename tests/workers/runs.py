@@ -1,0 +1,50 @@
+"""train.py's real training run several times in one torchrun start, one after the other in the same process
+group: each run's options as train.py takes them, runs separated by "--". Each rank's stdout and stderr of each
+run (train.py prints its JSON lines and progress from rank 0) are kept in LOGS as <run number>.rank<rank>.stdout
+and .stderr, so that a test reads each run's output as it would read a process's.
+
+    torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- TRAIN_OPTIONS -- TRAIN_OPTIONS ...
+
+One start costs a rank several seconds before its first micro-batch (torchrun, importing torch, the rendezvous);
+a test that needs several runs of the same code pays it once. train.py's command line itself (its parsing,
+start-up checks and teardown) is run as a command by the tests that test it.
+"""
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import train  # noqa: E402
+from lab import launch  # noqa: E402
+
+
+def split_runs(arguments):
+    runs, current = [], None
+    for argument in arguments:
+        if argument == "--":
+            current = []
+            runs.append(current)
+        else:
+            current.append(argument)
+    return runs
+
+
+def main():
+    logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
+    place = launch.init_process_group(launch.launch_environment(2))
+    for number, options in enumerate(runs):
+        args = train.parse_args(options)
+        stem = logs / f"{number}.rank{place.rank}"
+        with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                train.run(args, place)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
