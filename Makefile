@@ -65,14 +65,18 @@ text-quick: $(VENV)/.requirements
 	$(TRAIN) --task text --mode no_sync --output $(TEXT_QUICK)/no_sync --epochs 1
 	$(PY) verify.py --artifacts $(TEXT_QUICK) --expect-from-config
 
-# The 15 slowest tests are listed at the end of every run, so that a slow one shows itself.
+# The 15 slowest tests are listed at the end of every run, so that a slow one shows itself. Two test files run
+# at a time (pytest-xdist, each file whole in one worker, its fixtures with it): one file's launchers and waits
+# leave the cores to the other's ranks.
+PYTEST := -m pytest -q --strict-markers --durations=15 -n 2 --dist loadfile
+
 test: $(VENV)/.requirements-dev
-	$(PY) -m pytest -q --strict-markers --durations=15 tests
+	$(PY) $(PYTEST) tests
 
 # The inner loop: the tests that start no torchrun job of their own (they may read the session's shared pair,
 # one start), within 2 minutes; `make test` runs these and the rest (docs/tests.md).
 test-fast: $(VENV)/.requirements-dev
-	$(PY) -m pytest -q --strict-markers --durations=15 -m "not torchrun" tests
+	$(PY) $(PYTEST) -m "not torchrun" tests
 
 # The style: ruff's formatter and linter (ruff.toml), checked, never rewritten here (`ruff format .` does).
 lint: $(VENV)/.requirements-dev
@@ -88,13 +92,13 @@ compat:
 	@test -n "$(TORCH)" || { echo "make compat: name the version, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
 	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
 	.venv-torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)" torchvision \
-		$$(grep -h -E '^(pillow|pytest)==' requirements.txt requirements-dev.txt)
+		$$(grep -h -E '^(pillow|pytest|pytest-xdist|execnet)==' requirements.txt requirements-dev.txt)
 	$(MAKE) --no-print-directory compat-run VENV=.venv-torch-$(TORCH) QUICK=artifacts/quick-torch-$(TORCH)
 
 compat-run:
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	$(quick_pipeline)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) $(PYTEST) tests
 
 # Only the lab's own outputs, in the lab's own folder (as the document's clean-up does).
 clean:

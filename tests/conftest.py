@@ -40,6 +40,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nn
 # batch 4, accum_steps 4, 2 epochs: 80 images and 20 micro-batches per rank and epoch, 5 windows. Its size
 # keeps `make test` within 20 minutes on a 2-core CPU without BF16 instructions (float32: docs/tests.md).
 SOURCE_IMAGES, TEST_IMAGES = 200, 100
+MODES = ("every", "no_sync")
 SMALL_RUN = ["--epochs", "2", "--batch-size", "4", "--accum-steps", "4", "--device", "cpu"]
 # A history row's fields that measure time: they differ between reruns that agree on everything else.
 TIMING = {
@@ -178,6 +179,14 @@ def train_in_one_start(logs, *runs, env=None):
         )
         for number, run in enumerate(runs)
     ]
+
+
+def train_pair(data_dir, artifacts, *extra, env=None):
+    """Both modes, as train() trains each, into artifacts/every and artifacts/no_sync, in one torchrun start."""
+    runs = [
+        ["--mode", mode, "--output", artifacts / mode, "--data-dir", data_dir, *SMALL_RUN, *extra] for mode in MODES
+    ]
+    return train_in_one_start(artifacts.parent / f"{artifacts.name}-logs", *runs, env=env)
 
 
 def assert_ok(result):

@@ -23,6 +23,7 @@ from conftest import (
     assert_train_error,
     read_json,
     subprocess_env,
+    train_pair,
     verify,
 )
 from conftest import (
@@ -202,8 +203,7 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
 @pytest.fixture(scope="module")
 def checkpointed_runs(image_data, tmp_path_factory):
     artifacts = tmp_path_factory.mktemp("checkpointed") / "artifacts"
-    for mode in experiment.MODES:
-        assert_ok(train_run(image_data, artifacts / mode, mode, "--activation-checkpointing", "--quiet"))
+    train_pair(image_data, artifacts, "--activation-checkpointing", "--quiet")
     return artifacts
 
 

@@ -15,6 +15,7 @@ from conftest import (
     assert_train_error,
     md5_sums,
     subprocess_env,
+    train_pair,
     verify,
     write_png_with_a_damaged_chunk,
 )
@@ -153,9 +154,8 @@ def test_torchvision_layout_end_to_end_counts(tmp_path):
     """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
     synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", SOURCE_IMAGES, TEST_IMAGES)
     env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / data.TORCHVISION_FOLDER)))
-    for mode, syncs in (("every", 20), ("no_sync", 5)):
-        result = run_train(tmp_path / "cifar", tmp_path / "artifacts" / mode, mode, "--epochs", "1", "--quiet", env=env)
-        assert result.returncode == 0, result.stderr
+    results = train_pair(tmp_path / "cifar", tmp_path / "artifacts", "--epochs", "1", "--quiet", env=env)
+    for syncs, result in zip((20, 5), results):
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (5, syncs)
     report = json.loads((tmp_path / "artifacts" / "every" / "report.json").read_text())

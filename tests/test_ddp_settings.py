@@ -8,7 +8,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_ok, assert_one_line_error, assert_train_error, read_json, run_python, train, verify
+from conftest import (
+    assert_ok,
+    assert_one_line_error,
+    assert_train_error,
+    read_json,
+    run_python,
+    train,
+    train_pair,
+    verify,
+)
 from lab import experiment, records
 from model import CifarCNN
 
@@ -125,8 +134,7 @@ def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path
     and the strict audit both name the lever."""
     artifacts = tmp_path / "artifacts"
     levers = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-buffers"]
-    for mode in experiment.MODES:
-        assert_ok(train(image_data, artifacts / mode, mode, *levers, "--quiet"))
+    train_pair(image_data, artifacts, *levers, "--quiet")
     config = read_json(artifacts / "every" / records.RUN_RECORD_FILE)["config"]
     assert {name: config[name] for name in experiment.DDP_DEFAULTS} == {
         **experiment.DDP_DEFAULTS,

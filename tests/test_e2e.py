@@ -13,7 +13,17 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import SOURCE_IMAGES, TEST_IMAGES, TIMING, assert_ok, read_json, run_python, stderr_lines, train
+from conftest import (
+    SOURCE_IMAGES,
+    TEST_IMAGES,
+    TIMING,
+    assert_ok,
+    read_json,
+    run_python,
+    stderr_lines,
+    train,
+    train_pair,
+)
 from lab import records
 from model import CLASSES, CifarCNN, eval_transform
 from tools import synthetic_data
@@ -79,8 +89,7 @@ def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, 
     """80 images per rank in micro-batches of 20: one window per epoch. no_sync's only sync is the epoch's
     last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
     artifacts = tmp_path / "artifacts"
-    for mode in ("every", "no_sync"):
-        assert_ok(train(image_data, artifacts / mode, mode, "--batch-size", "20", "--quiet"))
+    train_pair(image_data, artifacts, "--batch-size", "20", "--quiet")
     history = read_json(artifacts / "no_sync" / "history.json")
     assert [
         (row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"])

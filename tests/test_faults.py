@@ -11,7 +11,6 @@ import pytest
 
 from conftest import (
     SMALL_RUN,
-    assert_ok,
     assert_one_line_error,
     assert_train_error,
     read_json,
@@ -20,6 +19,7 @@ from conftest import (
     start_train,
     subprocess_env,
     train,
+    train_in_one_start,
     verify,
 )
 from lab import experiment, launch, records
@@ -96,9 +96,12 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     assert experiment.seed_range_error(2**64 - 2, 1, 2) is None and experiment.seed_range_error(2**64 - 1, 1, 2)
     highest = ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
     artifacts = tmp_path / "artifacts"
-    for mode, syncs, device in (("every", 7, "auto"), ("no_sync", 2, "cpu")):
-        partial_windows = ["--batch-size", "12", "--partial-window", "scale", "--epochs", "1", "--quiet"]
-        result = assert_ok(train(image_data, artifacts / mode, mode, *partial_windows, *highest, "--device", device))
+    cases = (("every", 7, "auto"), ("no_sync", 2, "cpu"))
+    partial_windows = ["--batch-size", "12", "--partial-window", "scale", "--epochs", "1", "--quiet"]
+    options = [*partial_windows, *highest, "--data-dir", image_data]
+    runs = [["--mode", mode, "--output", artifacts / mode, *options, "--device", device] for mode, _, device in cases]
+    results = train_in_one_start(tmp_path / "logs", *runs)
+    for (_, syncs, device), result in zip(cases, results):
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (2, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.

@@ -24,6 +24,7 @@ from conftest import (
     run_python,
     subprocess_env,
     torchrun,
+    train_in_one_start,
 )
 from lab import certify, experiment, packed, records
 from lab.cli import LabError
@@ -40,11 +41,11 @@ FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters 
 BFLOAT16_FIRST_STEP_TOLERANCES = (1e-6, 1e-6) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (1e-3, 2**-8)
 
 
+TEXT_RUN = ["--task", "text", "--device", "cpu", "--quiet"]
+
+
 def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
-    return torchrun(
-        "train.py", "--task", "text", "--mode", mode, "--output", output, "--device", "cpu", "--quiet", *extra,
-        env=env, launcher=launcher,
-    )  # fmt: skip
+    return torchrun("train.py", *TEXT_RUN, "--mode", mode, "--output", output, *extra, env=env, launcher=launcher)
 
 
 def text_verify(artifacts, *extra, env=TEXT_ENV):
@@ -63,10 +64,12 @@ def documented(tmp_path_factory):
     """Both modes at the text task's documented configuration, per-token normalized, and the same pair at
     micro-batch normalization."""
     artifacts = tmp_path_factory.mktemp("text")
-    for normalization in experiment.LOSS_NORMALIZATIONS:
-        for mode in experiment.MODES:
-            extra = ["--loss-normalization", normalization]
-            assert_ok(text_train(artifacts / normalization / mode, mode, *extra))
+    runs = [
+        [*TEXT_RUN, "--mode", mode, "--output", artifacts / normalization / mode, "--loss-normalization", normalization]
+        for normalization in experiment.LOSS_NORMALIZATIONS
+        for mode in experiment.MODES
+    ]
+    train_in_one_start(artifacts / "logs", *runs, env=TEXT_ENV)
     return artifacts
 
 

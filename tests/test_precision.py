@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from conftest import (
-    assert_ok,
     assert_one_line_error,
     read_json,
     run_in_process,
     run_python,
     subprocess_env,
-    torchrun,
+    train_in_one_start,
     verify,
 )
 from lab import precision
@@ -107,12 +106,17 @@ def test_verify_refuses_runs_of_different_precision(tmp_path):
     data = tmp_path / "data"
     synthetic_data.write_dataset(data, "image-folders", 100, 20)
     tiny = ["--batch-size", "10", "--accum-steps", "2", "--epochs", "1", "--device", "cpu", "--quiet"]
-    for mode, chosen in (("every", "fp32"), ("no_sync", "bf16")):
-        output = tmp_path / "artifacts" / mode
-        assert_ok(
-            torchrun("train.py", "--mode", mode, "--output", output, "--data-dir", data, "--precision", chosen, *tiny)
-        )
-        assert read_json(output / "run.json")["config"]["precision"] == chosen
+    runs = {mode: chosen for mode, chosen in (("every", "fp32"), ("no_sync", "bf16"))}
+    outputs = {mode: tmp_path / "artifacts" / mode for mode in runs}
+    train_in_one_start(
+        tmp_path / "logs",
+        *(
+            ["--mode", mode, "--output", outputs[mode], "--data-dir", data, "--precision", runs[mode], *tiny]
+            for mode in runs
+        ),
+    )
+    for mode, chosen in runs.items():
+        assert read_json(outputs[mode] / "run.json")["config"]["precision"] == chosen
     line = assert_one_line_error(
         verify(tmp_path / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
     )

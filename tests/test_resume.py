@@ -20,6 +20,7 @@ from conftest import (
     start_train,
     subprocess_env,
     train,
+    train_pair,
     verify,
 )
 from lab import records, resume
@@ -85,8 +86,7 @@ def same_run(first, second):
 def uninterrupted(image_data, tmp_path_factory):
     """The runs the stopped ones must equal: every and no_sync, 3 epochs, never stopped."""
     artifacts = tmp_path_factory.mktemp("uninterrupted") / "artifacts"
-    for mode in ("every", "no_sync"):
-        assert_ok(train(image_data, artifacts / mode, mode, *EPOCHS, "--quiet"))
+    train_pair(image_data, artifacts, *EPOCHS, "--quiet")
     return artifacts
 
 

@@ -19,6 +19,7 @@ from conftest import (
     subprocess_env,
     torchrun,
     train,
+    train_pair,
     verify,
 )
 from lab import experiment, sharded
@@ -31,8 +32,7 @@ FSDP = ["--strategy", "fsdp"]
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory, image_data):
     artifacts = tmp_path_factory.mktemp("fsdp") / "artifacts"
-    for mode in experiment.MODES:
-        assert_ok(train(image_data, artifacts / mode, mode, *FSDP, *PROFILED, "--quiet"))
+    train_pair(image_data, artifacts, *FSDP, *PROFILED, "--quiet")
     return artifacts
 
 
