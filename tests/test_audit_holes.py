@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import (
+    SMALL_RUN,
     assert_ok,
     assert_one_line_error,
     copy_runs,
@@ -23,6 +24,7 @@ from conftest import (
     stderr_lines,
     subprocess_env,
     train,
+    train_in_one_start,
     verify,
 )
 from lab import audit, certify, experiment, launch, records, witness
@@ -118,14 +120,36 @@ def test_the_steps_agreement_reads_nothing_from_the_host_and_nothing_back(one_pr
 # ----------------------------------------------------------------------------- real runs the audit refuses
 
 
+# Each an `every` run of the shared experiment with one fault injected beneath the lab (tests/inject), audited
+# beside the shared no_sync run.
+FAULTS = {
+    "drift_ulp": ["LAB_TEST_DRIFT_AT_STEP=1:8", "LAB_TEST_DRIFT=ulp"],
+    "lost_gradients": ["LAB_TEST_LOSE_GRADIENTS=1"],
+    "same_shard": ["LAB_TEST_SAME_SHARD=1"],
+    "nan": ["LAB_TEST_NAN_AT_STEP=*:2"],
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(tmp_path_factory, image_data):
+    """Every fault's run, in one torchrun start."""
+    out = tmp_path_factory.mktemp("faults")
+    runs = [[*injections, "--mode", "every", "--output", out / fault / "every", "--data-dir", image_data, *SMALL_RUN,
+             "--quiet"] for fault, injections in FAULTS.items()]  # fmt: skip
+    train_in_one_start(out / "logs", *runs)
+    return out
+
+
+def beside_the_shared_no_sync(lab_runs, faulty_runs, fault, tmp_path):
+    runs = copy_runs(faulty_runs / fault, tmp_path / "artifacts")
+    shutil.copytree(lab_runs[0] / "no_sync", runs / "no_sync")
+    return runs
+
+
 @pytest.mark.torchrun
-def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
+def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, faulty_runs, tmp_path):
     """Rank 1 moves one weight by one ulp after its 8th step (epoch 2, step 3): the smallest difference there is."""
-    artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
-    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    env = subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:8", LAB_TEST_DRIFT="ulp")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=env))
+    runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "drift_ulp", tmp_path)
     rows = read_json(runs / "every" / "history.json")
     assert [row["first_rank_disagreement"] for row in rows] == [None, {"optimizer_step": 3, "differed": ["parameters"]}]
     assert_one_line_error(
@@ -136,14 +160,11 @@ def test_a_one_ulp_drift_on_one_rank_is_caught(lab_runs, image_data, tmp_path):
 
 
 @pytest.mark.torchrun
-def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_path):
+def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, faulty_runs, tmp_path):
     """The optimizer finds no gradients (tests/inject): every count, position, agreement and BatchNorm counter
     holds, and the run sits at chance (so the working pipeline's accuracy, above 0.5 in test_e2e.py, is evidence
     that it learns); the steps that changed no parameter give it away."""
-    artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
-    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_LOSE_GRADIENTS="1")))
+    runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "lost_gradients", tmp_path)
     rows = read_json(runs / "every" / "history.json")
     assert [(row["steps_with_ranks_agreed"], row["steps_that_changed_parameters"]) for row in rows] == [(5, 0), (5, 0)]
     assert read_json(runs / "every" / "report.json")["model_test_accuracy"] < 0.25
@@ -156,13 +177,10 @@ def test_a_run_whose_steps_changed_nothing_is_refused(lab_runs, image_data, tmp_
 
 
 @pytest.mark.torchrun
-def test_ranks_that_read_the_same_samples_are_refused(lab_runs, image_data, tmp_path):
+def test_ranks_that_read_the_same_samples_are_refused(lab_runs, faulty_runs, tmp_path):
     """Every rank reads rank 0's shard: the averaged gradients agree, so the fingerprints cannot see it; the
     epoch's shards can."""
-    artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
-    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_SAME_SHARD="1")))
+    runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "same_shard", tmp_path)
     rows = read_json(runs / "every" / "history.json")
     assert rows[0]["sample_shards"] == {"samples_per_rank": 80, "distinct_samples": 80, "split_size": 160}
     assert rows[0]["steps_with_ranks_agreed"] == 5
@@ -184,13 +202,10 @@ def test_the_shared_runs_record_disjoint_shards_and_steps_that_changed_the_weigh
 
 
 @pytest.mark.torchrun
-def test_non_finite_values_on_every_rank_are_reported_as_such(lab_runs, image_data, tmp_path):
+def test_non_finite_values_on_every_rank_are_reported_as_such(lab_runs, faulty_runs, tmp_path):
     """A NaN in one gradient on every rank in step 2, which the step writes into the parameters: the ranks still
     agree (the same bits), and verify.py says what happened, not that the ranks disagreed."""
-    artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
-    shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_NAN_AT_STEP="*:2")))
+    runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "nan", tmp_path)
     row = read_json(runs / "every" / "history.json")[0]
     assert row["first_nonfinite_step"] == {"optimizer_step": 2, "in": ["parameters"]}
     assert row["first_rank_disagreement"] is None

@@ -18,14 +18,14 @@ from torch import nn
 
 from conftest import (
     REPO,
-    assert_ok,
+    SMALL_RUN,
     assert_one_line_error,
     copy_runs,
     png_header_only,
     read_json,
     run_in_process,
     subprocess_env,
-    train,
+    train_in_one_start,
     verify,
     write_png_with_a_damaged_chunk,
 )
@@ -314,6 +314,25 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
     assert_one_line_error(audit(runs), "epoch row 1: optimizer_step_positions must be [start, stop, step] runs", code=1)
 
 
+# The shared experiment's runs with the loop broken beneath train.py (tests/inject), trained in one torchrun start:
+# each broken loop's no_sync, and a drift on one rank in `every`.
+BROKEN = {
+    "sync_first": ["LAB_TEST_BROKEN_LOOP=sync_first", "--mode", "no_sync"],
+    "step_inside": ["LAB_TEST_BROKEN_LOOP=step_inside", "--mode", "no_sync"],
+    "backward_only_in_no_sync": ["LAB_TEST_BROKEN_LOOP=backward_only_in_no_sync", "--mode", "no_sync"],
+    "drift": ["LAB_TEST_DRIFT_AT_STEP=1:8", "--mode", "every"],
+}
+
+
+@pytest.fixture(scope="module")
+def broken_runs(tmp_path_factory, image_data):
+    out = tmp_path_factory.mktemp("broken")
+    runs = [[*words, "--output", out / name / words[-1], "--data-dir", image_data, *SMALL_RUN, "--quiet"]
+            for name, words in BROKEN.items()]  # fmt: skip
+    train_in_one_start(out / "logs", *runs)
+    return out
+
+
 @pytest.mark.torchrun
 @pytest.mark.parametrize(
     "broken, message",
@@ -329,15 +348,12 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
         ("backward_only_in_no_sync", "expected 5 gradient syncs, got 20 (epoch 1; the forward ran outside no_sync()"),
     ],
 )
-def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, broken, message):
+def test_a_broken_accumulation_loop_is_rejected(lab_runs, broken_runs, tmp_path, broken, message):
     """The real train.py with a broken loop (tests/inject/sitecustomize.py); the first two keep every count of
     syncs and steps, so only their positions give them away."""
     artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
+    runs = copy_runs(broken_runs / broken, tmp_path / "artifacts")
     shutil.copytree(artifacts / "every", runs / "every")
-    assert_ok(
-        train(image_data, runs / "no_sync", "no_sync", "--quiet", env=subprocess_env(LAB_TEST_BROKEN_LOOP=broken))
-    )
     rows, correct_rows = (read_json(folder / "no_sync" / "history.json") for folder in (runs, artifacts))
     counts = [(row["optimizer_steps"], row["gradient_syncs"]) for row in rows]
     if broken == "backward_only_in_no_sync":
@@ -357,13 +373,12 @@ def test_a_broken_accumulation_loop_is_rejected(lab_runs, image_data, tmp_path, 
 
 
 @pytest.mark.torchrun
-def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, image_data, tmp_path):
+def test_a_rank_that_drifts_apart_is_caught_where_every_count_holds(lab_runs, broken_runs, tmp_path):
     """Rank 1 moves one weight after its 8th optimizer step (epoch 2, step 3): the counts and positions are
     the correct run's, but the ranks' parameter fingerprints differ from that step on."""
     artifacts, _ = lab_runs
-    runs = tmp_path / "artifacts"
+    runs = copy_runs(broken_runs / "drift", tmp_path / "artifacts")
     shutil.copytree(artifacts / "no_sync", runs / "no_sync")
-    assert_ok(train(image_data, runs / "every", "every", "--quiet", env=subprocess_env(LAB_TEST_DRIFT_AT_STEP="1:8")))
     rows, correct_rows = (read_json(folder / "every" / "history.json") for folder in (runs, artifacts))
     positions = ("gradient_sync_positions", "optimizer_step_positions")
     assert [{key: row[key] for key in COUNTS + positions} for row in rows] == [

@@ -1,5 +1,6 @@
 """Loaded at start-up by the tests' subprocesses (the tests put this folder on PYTHONPATH); it changes
-nothing unless a LAB_TEST_* variable asks for it.
+nothing unless a LAB_TEST_* variable asks for it. tests/workers/runs.py also applies one run's own LAB_TEST_*
+assignments (inject) and puts them back after it (undo), so that several injected runs share one torchrun start.
 
 LAB_TEST_CIFAR_MD5 (JSON {file name: md5}): torchvision checks the official CIFAR-10 files' md5 sums, and the
   tests write synthetic files in the official pickle format, so the expected sums are replaced by the
@@ -53,86 +54,48 @@ LAB_TEST_FSDP: FSDP2 beneath the lab's code: "uncorrected" makes set_force_sum_r
   (every backward reduce-scatters, no_sync() or not).
 """
 
+import functools
 import json
 import os
 
-if os.environ.get("LAB_TEST_TEXT_NO_CORPUS"):
-    import sys
-
-    sys.modules["pydoc_data"] = None  # import pydoc_data... raises ImportError
-
-if os.environ.get("LAB_TEST_TEXT_CHARACTERS") or os.environ.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK"):
-    import pydoc_data.topics
-
-    if os.environ.get("LAB_TEST_TEXT_CHARACTERS"):
-        characters = int(os.environ["LAB_TEST_TEXT_CHARACTERS"])
-        pydoc_data.topics.topics = {name: text[:characters] for name, text in pydoc_data.topics.topics.items()}
-    other_on_rank = os.environ.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK")
-    if other_on_rank is not None and other_on_rank == os.environ.get("RANK"):
-        pydoc_data.topics.topics = {**pydoc_data.topics.topics, "zzz-another-python": "A document of another Python."}
-
-if os.environ.get("LAB_TEST_TEXT_LOSS") == "padding_in_mean":
-    from torch.nn import functional
-
-    from lab import language
-
-    def mean_over_every_position(self, logits, targets):
-        summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
-        return summed / targets.numel()
-
-    language.TokenCrossEntropy.forward = mean_over_every_position
-
-if os.environ.get("LAB_TEST_TEXT_LOSS") == "one_token_too_many":
-    from torch.nn import functional
-
-    from lab import experiment, language
-
-    def mean_over_one_token_too_many(self, logits, targets):
-        summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
-        return summed / (targets.ne(experiment.IGNORE_INDEX).sum() + 1)
-
-    language.TokenCrossEntropy.forward = mean_over_one_token_too_many
-
-if os.environ.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
-    from lab import experiment, packed
-
-    original_batches = packed.RowLoader.batches
-
-    def batches_without_first_targets(self, start):
-        for inputs, targets in original_batches(self, start):
-            targets = targets.clone()
-            targets[:, 0] = experiment.IGNORE_INDEX
-            yield inputs, targets
-
-    packed.RowLoader.batches = batches_without_first_targets
-
-if os.environ.get("LAB_TEST_FSDP"):
-    from torch.distributed.fsdp import FSDPModule
-
-    ignored = {"uncorrected": "set_force_sum_reduction_for_comms", "sync_ignored": "set_requires_gradient_sync"}
-    setattr(FSDPModule, ignored[os.environ["LAB_TEST_FSDP"]], lambda self, *args, **kwargs: None)
-
-if os.environ.get("LAB_TEST_CIFAR_MD5") or os.environ.get("LAB_TEST_CIFAR_URL"):
-    from torchvision.datasets import CIFAR10
-
-    if os.environ.get("LAB_TEST_CIFAR_MD5"):
-        sums = json.loads(os.environ["LAB_TEST_CIFAR_MD5"])
-        CIFAR10.train_list = [[name, sums[name]] for name, _ in CIFAR10.train_list]
-        CIFAR10.test_list = [[name, sums[name]] for name, _ in CIFAR10.test_list]
-        CIFAR10.meta = {**CIFAR10.meta, "md5": sums[CIFAR10.meta["filename"]]}
-    if os.environ.get("LAB_TEST_CIFAR_URL"):
-        CIFAR10.url = os.environ["LAB_TEST_CIFAR_URL"]
+PATCHED = []  # (owner, name, what it held) for each thing an injection replaced, in order
+ABSENT = object()  # what a dict held under a name it did not have
 
 
-def at_a_ranks_step(variable, before=None, after=None):
+def patch(owner, name, value):
+    """owner.name (owner[name] for a dict) replaced by value, until undo()."""
+    if isinstance(owner, dict):
+        PATCHED.append((owner, name, owner.get(name, ABSENT)))
+        owner[name] = value
+    else:
+        PATCHED.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+
+def undo(keep=0):
+    """The patches after the first `keep` put back, newest first (tests/workers/runs.py: one run's own)."""
+    while len(PATCHED) > keep:
+        owner, name, held = PATCHED.pop()
+        if held is ABSENT:
+            del owner[name]
+        elif isinstance(owner, dict):
+            owner[name] = held
+        else:
+            setattr(owner, name, held)
+
+
+def at_a_ranks_step(variables, variable, before=None, after=None):
     """Wrap AdamW.step: on the rank and step that `variable` names ("<rank>:<step>", steps counted from 1, rank *
     for every rank), before(optimizer) runs ahead of the step and after(optimizer) behind it."""
     import torch
 
-    chosen_rank, chosen_step = os.environ[variable].split(":")
+    chosen_rank, chosen_step = variables[variable].split(":")
     original_step = torch.optim.AdamW.step
     steps_taken = [0]
 
+    # wraps: torch's optimizer marks the step it has wrapped with its hooks (`hooked`); the mark kept, a step
+    # already wrapped (an earlier run's AdamW in this process) is not wrapped again, its hooks not run twice.
+    @functools.wraps(original_step)
     def step_with_injection(self, *args, **kwargs):
         steps_taken[0] += 1
         on_this_rank = chosen_rank == "*" or os.environ.get("RANK") == chosen_rank
@@ -144,221 +107,302 @@ def at_a_ranks_step(variable, before=None, after=None):
             after(self)
         return result
 
-    torch.optim.AdamW.step = step_with_injection
+    patch(torch.optim.AdamW, "step", step_with_injection)
 
 
-if os.environ.get("LAB_TEST_RAISE_AT_STEP"):
-    import torch
+def inject(variables):
+    """Each injection that `variables` (os.environ, or one run's own LAB_TEST_* assignments) asks for."""
+    if variables.get("LAB_TEST_TEXT_NO_CORPUS"):
+        import sys
 
-    out_of_memory = torch.OutOfMemoryError("injected by the test: out of memory in optimizer.step()")
+        patch(sys.modules, "pydoc_data", None)  # import pydoc_data... raises ImportError
 
-    def run_out_of_memory(optimizer):
-        raise out_of_memory
+    if variables.get("LAB_TEST_TEXT_CHARACTERS") or variables.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK"):
+        import pydoc_data.topics
 
-    at_a_ranks_step("LAB_TEST_RAISE_AT_STEP", before=run_out_of_memory)
+        if variables.get("LAB_TEST_TEXT_CHARACTERS"):
+            characters = int(variables["LAB_TEST_TEXT_CHARACTERS"])
+            patch(
+                pydoc_data.topics,
+                "topics",
+                {name: text[:characters] for name, text in pydoc_data.topics.topics.items()},
+            )
+        other_on_rank = variables.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK")
+        if other_on_rank is not None and other_on_rank == os.environ.get("RANK"):
+            patch(
+                pydoc_data.topics,
+                "topics",
+                {**pydoc_data.topics.topics, "zzz-another-python": "A document of another Python."},
+            )
 
-if os.environ.get("LAB_TEST_LOSE_GRADIENTS"):
-    import torch
+    if variables.get("LAB_TEST_TEXT_LOSS") == "padding_in_mean":
+        from torch.nn import functional
 
-    original_adamw_step = torch.optim.AdamW.step
+        from lab import language
 
-    def step_without_gradients(self, *args, **kwargs):
-        for group in self.param_groups:
-            for parameter in group["params"]:
-                parameter.grad = None
-        return original_adamw_step(self, *args, **kwargs)
+        def mean_over_every_position(self, logits, targets):
+            summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+            return summed / targets.numel()
 
-    torch.optim.AdamW.step = step_without_gradients
+        patch(language.TokenCrossEntropy, "forward", mean_over_every_position)
 
-if os.environ.get("LAB_TEST_FAKE_GPUS"):
-    fake_node, fake_count = map(int, os.environ["LAB_TEST_FAKE_GPUS"].split(":"))
-    if int(os.environ.get("GROUP_RANK", -1)) == fake_node:
+    if variables.get("LAB_TEST_TEXT_LOSS") == "one_token_too_many":
+        from torch.nn import functional
+
+        from lab import experiment, language
+
+        def mean_over_one_token_too_many(self, logits, targets):
+            summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+            return summed / (targets.ne(experiment.IGNORE_INDEX).sum() + 1)
+
+        patch(language.TokenCrossEntropy, "forward", mean_over_one_token_too_many)
+
+    if variables.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
+        from lab import experiment, packed
+
+        original_batches = packed.RowLoader.batches
+
+        def batches_without_first_targets(self, start):
+            for inputs, targets in original_batches(self, start):
+                targets = targets.clone()
+                targets[:, 0] = experiment.IGNORE_INDEX
+                yield inputs, targets
+
+        patch(packed.RowLoader, "batches", batches_without_first_targets)
+
+    if variables.get("LAB_TEST_FSDP"):
+        from torch.distributed.fsdp import FSDPModule
+
+        ignored = {"uncorrected": "set_force_sum_reduction_for_comms", "sync_ignored": "set_requires_gradient_sync"}
+        patch(FSDPModule, ignored[variables["LAB_TEST_FSDP"]], lambda self, *args, **kwargs: None)
+
+    if variables.get("LAB_TEST_CIFAR_MD5") or variables.get("LAB_TEST_CIFAR_URL"):
+        from torchvision.datasets import CIFAR10
+
+        if variables.get("LAB_TEST_CIFAR_MD5"):
+            sums = json.loads(variables["LAB_TEST_CIFAR_MD5"])
+            patch(CIFAR10, "train_list", [[name, sums[name]] for name, _ in CIFAR10.train_list])
+            patch(CIFAR10, "test_list", [[name, sums[name]] for name, _ in CIFAR10.test_list])
+            patch(CIFAR10, "meta", {**CIFAR10.meta, "md5": sums[CIFAR10.meta["filename"]]})
+        if variables.get("LAB_TEST_CIFAR_URL"):
+            patch(CIFAR10, "url", variables["LAB_TEST_CIFAR_URL"])
+
+    if variables.get("LAB_TEST_RAISE_AT_STEP"):
         import torch
 
-        torch.cuda.is_available = lambda: True
-        torch.cuda.device_count = lambda: fake_count
+        out_of_memory = torch.OutOfMemoryError("injected by the test: out of memory in optimizer.step()")
 
-if os.environ.get("LAB_TEST_SYNC_DEBUG"):
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
+        def run_out_of_memory(optimizer):
+            raise out_of_memory
 
-    original_train = DistributedDataParallel.train
-    training_epochs = 0
+        at_a_ranks_step(variables, "LAB_TEST_RAISE_AT_STEP", before=run_out_of_memory)
 
-    def train_with_sync_debug(self, mode=True):
-        global training_epochs
-        training_epochs += mode
-        torch.cuda.set_sync_debug_mode(0 if not mode else "warn" if training_epochs == 1 else "error")
-        return original_train(self, mode)
-
-    DistributedDataParallel.train = train_with_sync_debug
-
-if os.environ.get("LAB_TEST_BROKEN_LOOP") in ("sync_first", "step_inside"):
-    import dataclasses
-
-    from lab import experiment
-
-    moved_field = "sync" if os.environ["LAB_TEST_BROKEN_LOOP"] == "sync_first" else "step"
-    window_plan = experiment.window_plan
-
-    def plan_with_the_flag_on_each_windows_first_micro_batch(*args, **kwargs):
-        plan = window_plan(*args, **kwargs)
-        window_starts = {0} | {index + 1 for index, micro_step in enumerate(plan) if micro_step.step}
-        return [
-            dataclasses.replace(micro_step, **{moved_field: index in window_starts})
-            for index, micro_step in enumerate(plan)
-        ]
-
-    experiment.window_plan = plan_with_the_flag_on_each_windows_first_micro_batch
-
-if os.environ.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
-    import contextlib
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    @contextlib.contextmanager
-    def no_sync_entered_after_the_forward(self):
-        # As `logits = model(x)` then `with model.no_sync(): loss.backward()`: the forward inside runs with
-        # syncing on (it arms the reducer), and syncing is turned off only once it has returned.
-        handle = self.register_forward_hook(
-            lambda module, inputs, output: setattr(module, "require_backward_grad_sync", False)
-        )
-        try:
-            yield
-        finally:
-            handle.remove()
-            self.require_backward_grad_sync = True
-
-    DistributedDataParallel.no_sync = no_sync_entered_after_the_forward
-
-if os.environ.get("LAB_TEST_DRIFT_AT_STEP"):
-    import torch
-
-    def drift(optimizer):
-        bias = optimizer.param_groups[0]["params"][-1]  # the classifier's bias
-        with torch.no_grad():
-            if os.environ.get("LAB_TEST_DRIFT") == "ulp":  # the next float32 up: the smallest change there is
-                bias[0] = torch.nextafter(bias[0], torch.tensor(float("inf")))
-            else:
-                bias[0] += 1e-3
-
-    at_a_ranks_step("LAB_TEST_DRIFT_AT_STEP", after=drift)
-
-if os.environ.get("LAB_TEST_NAN_AT_STEP"):
-    import torch
-
-    def poison(optimizer):
-        optimizer.param_groups[0]["params"][-1].grad[0] = float("nan")  # the step writes it into the parameters
-
-    at_a_ranks_step("LAB_TEST_NAN_AT_STEP", before=poison)
-
-if os.environ.get("LAB_TEST_SAME_SHARD"):
-    from torch.utils.data.distributed import DistributedSampler
-
-    original_sampler_init = DistributedSampler.__init__
-
-    def rank_0s_shard(self, *args, **kwargs):
-        original_sampler_init(self, *args, **kwargs)
-        self.rank = 0  # every rank reads rank 0's samples
-
-    DistributedSampler.__init__ = rank_0s_shard
-
-if os.environ.get("LAB_TEST_HANG_IN_TEARDOWN") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    import time
-
-    import torch.distributed
-
-    def hang(*args, **kwargs):
-        time.sleep(3600)
-
-    torch.distributed.destroy_process_group = hang
-
-if os.environ.get("LAB_TEST_COUNT_DECODES"):
-    from lab import data
-
-    decode_image_folders = data.decode_image_folders
-
-    def counted_decode(*args, **kwargs):
-        with open(os.environ["LAB_TEST_COUNT_DECODES"], "a") as log:
-            log.write(f"decoded by pid {os.getpid()}\n")
-        return decode_image_folders(*args, **kwargs)
-
-    data.decode_image_folders = counted_decode
-
-if os.environ.get("LAB_TEST_NODE_TORCH_VERSION"):
-    node, version = os.environ["LAB_TEST_NODE_TORCH_VERSION"].split(":")
-    if os.environ.get("GROUP_RANK") == node:
+    if variables.get("LAB_TEST_LOSE_GRADIENTS"):
         import torch
 
-        torch.__version__ = version
+        original_adamw_step = torch.optim.AdamW.step
 
+        @functools.wraps(original_adamw_step)  # as step_with_injection's
+        def step_without_gradients(self, *args, **kwargs):
+            for group in self.param_groups:
+                for parameter in group["params"]:
+                    parameter.grad = None
+            return original_adamw_step(self, *args, **kwargs)
 
-if os.environ.get("LAB_TEST_CHECKPOINT") == "reentrant":
-    import torch.utils.checkpoint
+        patch(torch.optim.AdamW, "step", step_without_gradients)
 
-    reentrant_checkpoint = torch.utils.checkpoint.checkpoint
+    if variables.get("LAB_TEST_FAKE_GPUS"):
+        fake_node, fake_count = map(int, variables["LAB_TEST_FAKE_GPUS"].split(":"))
+        if int(os.environ.get("GROUP_RANK", -1)) == fake_node:
+            import torch
 
-    def checkpoint_reentrant(function, *args, use_reentrant=None, context_fn=None, **kwargs):
-        return reentrant_checkpoint(function, *args, use_reentrant=True, **kwargs)
+            patch(torch.cuda, "is_available", lambda: True)
+            patch(torch.cuda, "device_count", lambda: fake_count)
 
-    torch.utils.checkpoint.checkpoint = checkpoint_reentrant  # before model.py imports it
+    if variables.get("LAB_TEST_SYNC_DEBUG"):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
 
-if os.environ.get("LAB_TEST_CHECKPOINT") == "statistics_twice":
-    from contextlib import nullcontext
+        original_train = DistributedDataParallel.train
+        training_epochs = [0]
 
-    import model
+        def train_with_sync_debug(self, mode=True):
+            training_epochs[0] += mode
+            torch.cuda.set_sync_debug_mode(0 if not mode else "warn" if training_epochs[0] == 1 else "error")
+            return original_train(self, mode)
 
-    model.recompute_context = lambda stage: (nullcontext(), nullcontext())
+        patch(DistributedDataParallel, "train", train_with_sync_debug)
 
-if os.environ.get("LAB_TEST_KILL_AT"):
-    import re
-    import signal
+    if variables.get("LAB_TEST_BROKEN_LOOP") in ("sync_first", "step_inside"):
+        import dataclasses
 
-    from torch.nn.parallel import DistributedDataParallel
+        from lab import experiment
 
-    points = os.environ["LAB_TEST_KILL_AT"].split(",")
-    start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kind, _, number = (points[start] if start < len(points) else "-").partition(":")
-    seen = {"records": 0, "evaluations": 0, "training_forwards": 0, "evaluation_forwards": 0}
+        moved_field = "sync" if variables["LAB_TEST_BROKEN_LOOP"] == "sync_first" else "step"
+        window_plan = experiment.window_plan
 
-    def die():
-        os.kill(os.getpid(), signal.SIGKILL)
+        def plan_with_the_flag_on_each_windows_first_micro_batch(*args, **kwargs):
+            plan = window_plan(*args, **kwargs)
+            window_starts = {0} | {index + 1 for index, micro_step in enumerate(plan) if micro_step.step}
+            return [
+                dataclasses.replace(micro_step, **{moved_field: index in window_starts})
+                for index, micro_step in enumerate(plan)
+            ]
 
-    original_replace, original_rename = os.replace, os.rename
+        patch(experiment, "window_plan", plan_with_the_flag_on_each_windows_first_micro_batch)
 
-    def replace_and_die_on_cue(source, destination, *args, **kwargs):
-        is_record = re.fullmatch(r"resume_state-[0-9]+\.json", os.path.basename(destination))
-        seen["records"] += bool(is_record)
-        if is_record and kind == "saving" and seen["records"] == int(number):
-            die()
-        result = original_replace(source, destination, *args, **kwargs)
-        if is_record and kind == "saved" and seen["records"] == int(number):
-            die()
-        return result
+    if variables.get("LAB_TEST_BROKEN_LOOP") == "backward_only_in_no_sync":
+        import contextlib
 
-    def rename_and_die_on_cue(source, destination, *args, **kwargs):
-        if kind == "publish" and ".partial-" in os.path.basename(source):
-            die()
-        return original_rename(source, destination, *args, **kwargs)
+        from torch.nn.parallel import DistributedDataParallel
 
-    os.replace, os.rename = replace_and_die_on_cue, rename_and_die_on_cue
-    original_train, original_forward = DistributedDataParallel.train, DistributedDataParallel.forward
+        @contextlib.contextmanager
+        def no_sync_entered_after_the_forward(self):
+            # As `logits = model(x)` then `with model.no_sync(): loss.backward()`: the forward inside runs with
+            # syncing on (it arms the reducer), and syncing is turned off only once it has returned.
+            handle = self.register_forward_hook(
+                lambda module, inputs, output: setattr(module, "require_backward_grad_sync", False)
+            )
+            try:
+                yield
+            finally:
+                handle.remove()
+                self.require_backward_grad_sync = True
 
-    def train_counted(self, mode=True):
-        if not mode:
-            seen["evaluations"] += 1
-            seen["evaluation_forwards"] = 0
-        return original_train(self, mode)
+        patch(DistributedDataParallel, "no_sync", no_sync_entered_after_the_forward)
 
-    def forward_and_die_on_cue(self, *args, **kwargs):
-        if self.training:
-            seen["training_forwards"] += 1
-            if kind == "term" and seen["training_forwards"] == int(number) and os.environ.get("RANK") == "0":
-                os.kill(os.getpid(), signal.SIGTERM)
-        else:
-            seen["evaluation_forwards"] += 1
-            if kind == "eval" and seen["evaluations"] == int(number) and seen["evaluation_forwards"] == 1:
+    if variables.get("LAB_TEST_DRIFT_AT_STEP"):
+        import torch
+
+        def drift(optimizer):
+            bias = optimizer.param_groups[0]["params"][-1]  # the classifier's bias
+            with torch.no_grad():
+                if variables.get("LAB_TEST_DRIFT") == "ulp":  # the next float32 up: the smallest change there is
+                    bias[0] = torch.nextafter(bias[0], torch.tensor(float("inf")))
+                else:
+                    bias[0] += 1e-3
+
+        at_a_ranks_step(variables, "LAB_TEST_DRIFT_AT_STEP", after=drift)
+
+    if variables.get("LAB_TEST_NAN_AT_STEP"):
+        import torch
+
+        def poison(optimizer):
+            optimizer.param_groups[0]["params"][-1].grad[0] = float("nan")  # the step writes it into the parameters
+
+        at_a_ranks_step(variables, "LAB_TEST_NAN_AT_STEP", before=poison)
+
+    if variables.get("LAB_TEST_SAME_SHARD"):
+        from torch.utils.data.distributed import DistributedSampler
+
+        original_sampler_init = DistributedSampler.__init__
+
+        def rank_0s_shard(self, *args, **kwargs):
+            original_sampler_init(self, *args, **kwargs)
+            self.rank = 0  # every rank reads rank 0's samples
+
+        patch(DistributedSampler, "__init__", rank_0s_shard)
+
+    if variables.get("LAB_TEST_HANG_IN_TEARDOWN") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        import time
+
+        import torch.distributed
+
+        def hang(*args, **kwargs):
+            time.sleep(3600)
+
+        patch(torch.distributed, "destroy_process_group", hang)
+
+    if variables.get("LAB_TEST_COUNT_DECODES"):
+        from lab import data
+
+        decode_image_folders = data.decode_image_folders
+
+        def counted_decode(*args, **kwargs):
+            with open(variables["LAB_TEST_COUNT_DECODES"], "a") as log:
+                log.write(f"decoded by pid {os.getpid()}\n")
+            return decode_image_folders(*args, **kwargs)
+
+        patch(data, "decode_image_folders", counted_decode)
+
+    if variables.get("LAB_TEST_NODE_TORCH_VERSION"):
+        node, version = variables["LAB_TEST_NODE_TORCH_VERSION"].split(":")
+        if os.environ.get("GROUP_RANK") == node:
+            import torch
+
+            patch(torch, "__version__", version)
+
+    if variables.get("LAB_TEST_CHECKPOINT") == "reentrant":
+        import torch.utils.checkpoint
+
+        reentrant_checkpoint = torch.utils.checkpoint.checkpoint
+
+        def checkpoint_reentrant(function, *args, use_reentrant=None, context_fn=None, **kwargs):
+            return reentrant_checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+        patch(torch.utils.checkpoint, "checkpoint", checkpoint_reentrant)  # before model.py imports it
+
+    if variables.get("LAB_TEST_CHECKPOINT") == "statistics_twice":
+        from contextlib import nullcontext
+
+        import model
+
+        patch(model, "recompute_context", lambda stage: (nullcontext(), nullcontext()))
+
+    if variables.get("LAB_TEST_KILL_AT"):
+        import re
+        import signal
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        points = variables["LAB_TEST_KILL_AT"].split(",")
+        start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        kind, _, number = (points[start] if start < len(points) else "-").partition(":")
+        seen = {"records": 0, "evaluations": 0, "training_forwards": 0, "evaluation_forwards": 0}
+
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        original_replace, original_rename = os.replace, os.rename
+
+        def replace_and_die_on_cue(source, destination, *args, **kwargs):
+            is_record = re.fullmatch(r"resume_state-[0-9]+\.json", os.path.basename(destination))
+            seen["records"] += bool(is_record)
+            if is_record and kind == "saving" and seen["records"] == int(number):
                 die()
-        return original_forward(self, *args, **kwargs)
+            result = original_replace(source, destination, *args, **kwargs)
+            if is_record and kind == "saved" and seen["records"] == int(number):
+                die()
+            return result
 
-    DistributedDataParallel.train, DistributedDataParallel.forward = train_counted, forward_and_die_on_cue
+        def rename_and_die_on_cue(source, destination, *args, **kwargs):
+            if kind == "publish" and ".partial-" in os.path.basename(source):
+                die()
+            return original_rename(source, destination, *args, **kwargs)
+
+        patch(os, "replace", replace_and_die_on_cue)
+        patch(os, "rename", rename_and_die_on_cue)
+        original_train, original_forward = DistributedDataParallel.train, DistributedDataParallel.forward
+
+        def train_counted(self, mode=True):
+            if not mode:
+                seen["evaluations"] += 1
+                seen["evaluation_forwards"] = 0
+            return original_train(self, mode)
+
+        def forward_and_die_on_cue(self, *args, **kwargs):
+            if self.training:
+                seen["training_forwards"] += 1
+                if kind == "term" and seen["training_forwards"] == int(number) and os.environ.get("RANK") == "0":
+                    os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                seen["evaluation_forwards"] += 1
+                if kind == "eval" and seen["evaluations"] == int(number) and seen["evaluation_forwards"] == 1:
+                    die()
+            return original_forward(self, *args, **kwargs)
+
+        patch(DistributedDataParallel, "train", train_counted)
+        patch(DistributedDataParallel, "forward", forward_and_die_on_cue)
+
+
+inject(os.environ)

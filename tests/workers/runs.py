@@ -1,9 +1,10 @@
 """train.py's real training run several times in one torchrun start, one after the other in the same process
-group: each run's options as train.py takes them, runs separated by "--". Each rank's stdout and stderr of each
-run (train.py prints its JSON lines and progress from rank 0) are kept in LOGS as <run number>.rank<rank>.stdout
-and .stderr, so that a test reads each run's output as it would read a process's.
+group: each run's options as train.py takes them, runs separated by "--", each run's own test-only injections
+(tests/inject/sitecustomize.py) first as LAB_TEST_NAME=VALUE, in force for that run alone. Each rank's stdout
+and stderr of each run (train.py prints its JSON lines and progress from rank 0) are kept in LOGS as
+<run number>.rank<rank>.stdout and .stderr, so that a test reads each run's output as it would read a process's.
 
-    torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- TRAIN_OPTIONS -- TRAIN_OPTIONS ...
+    torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- [LAB_TEST_X=V ...] TRAIN_OPTIONS -- ...
 
 One start costs a rank several seconds before its first micro-batch (torchrun, importing torch, the rendezvous);
 a test that needs several runs of the same code pays it once. train.py's command line itself (its parsing,
@@ -14,6 +15,7 @@ import contextlib
 import sys
 from pathlib import Path
 
+import sitecustomize  # tests/inject, on the tests' PYTHONPATH
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +39,18 @@ def split_runs(arguments):
 def main():
     logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
     place = launch.init_process_group(launch.launch_environment(2))
-    for number, options in enumerate(runs):
-        args = train.parse_args(options)
+    for number, words in enumerate(runs):
+        injections = dict(word.split("=", 1) for word in words if word.startswith("LAB_TEST_"))
+        args = train.parse_args([word for word in words if not word.startswith("LAB_TEST_")])
         stem = logs / f"{number}.rank{place.rank}"
-        with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                train.run(args, place)
+        kept = len(sitecustomize.PATCHED)
+        sitecustomize.inject(injections)
+        try:
+            with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    train.run(args, place)
+        finally:
+            sitecustomize.undo(kept)
     dist.destroy_process_group()
 
 
