@@ -8,8 +8,10 @@ and labels), and written by one process at a time (nodes may share the folder).
 
 import fcntl
 import hashlib
+import importlib.util
 import io
 import os
+import re
 import sys
 import zipfile
 from contextlib import contextmanager
@@ -219,6 +221,12 @@ def image_folder_files(data_dir):
     """The tree's files and the cache file that belongs to exactly these files."""
     train_files, test_files = image_split_files(data_dir / "train"), image_split_files(data_dir / "test")
     return train_files, test_files, decoded_cache_path(data_dir, train_files, test_files)
+
+
+def torchvision_version():
+    """torchvision.__version__ (its build's label, +cu128, included) read from its version.py, not imported."""
+    source = Path(importlib.util.find_spec("torchvision").origin).with_name("version.py").read_text()
+    return re.search(r"^__version__ = '(.+)'$", source, re.M).group(1)
 
 
 def datasets():

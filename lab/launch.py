@@ -7,7 +7,6 @@ checked, data prepared and loaded on each node, the seeded split and this rank's
 """
 
 import hashlib
-import importlib.metadata
 import os
 import platform
 import random
@@ -203,7 +202,7 @@ def code_and_versions():
         "code sha256": digest.hexdigest()[:16],
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torchvision": importlib.metadata.version("torchvision"),  # no import: torchvision's costs ~0.9 s
+        "torchvision": data.torchvision_version(),
         "cuda": torch.version.cuda,
         "nccl": nccl,
     }

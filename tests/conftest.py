@@ -61,6 +61,8 @@ def subprocess_env(**variables):
     # its subprocesses see no GPU, so that it means the same on a machine with one (gpu_check.sh runs CUDA).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", **variables}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), str(REPO), env.get("PYTHONPATH")]))
+    if not torchrun_allowed():  # a rank that a script of this test starts under torchrun stops at once (tests/inject)
+        env["LAB_TEST_UNMARKED"] = f"{RUNNING['test'].nodeid} started a torchrun job: mark it @pytest.mark.torchrun"
     return env
 
 
@@ -122,13 +124,15 @@ def pytest_runtest_setup(item):
     RUNNING["test"] = item
 
 
-def starting_torchrun():
+def torchrun_allowed():
     """A torchrun start belongs to a test marked torchrun (its fixtures' starts too), or to the shared pair:
     the fast tier can then not grow a start unseen."""
     test = RUNNING["test"]
-    assert RUNNING["shared pair"] or test is None or test.get_closest_marker(STARTS_TORCHRUN), (
-        f"{test.nodeid} starts torchrun: mark it @pytest.mark.{STARTS_TORCHRUN}"
-    )
+    return RUNNING["shared pair"] or test is None or test.get_closest_marker(STARTS_TORCHRUN)
+
+
+def starting_torchrun():
+    assert torchrun_allowed(), f"{RUNNING['test'].nodeid} starts torchrun: mark it @pytest.mark.{STARTS_TORCHRUN}"
 
 
 def torchrun(script, *args, env=None, timeout=600, launcher=()):
@@ -168,15 +172,17 @@ def train(data_dir, output, mode, *extra, env=None, launcher=()):
 
 def train_in_one_start(logs, *runs, env=None):
     """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
-    start's cost for all. Returns each run's rank-0 output as a finished process's."""
+    start's cost for all. Returns each run's output as a finished process's: every rank's, rank 0's first."""
     logs.mkdir(parents=True, exist_ok=True)
     options = [argument for run in runs for argument in ("--", *map(str, run))]
     start = torchrun(WORKERS.relative_to(REPO) / "runs.py", logs, *options, env=env)
     assert_ok(start)
+
+    def output(number, stream):
+        return "".join(path.read_text() for path in sorted(logs.glob(f"{number}.rank*.{stream}")))
+
     return [
-        subprocess.CompletedProcess(
-            run, start.returncode, *((logs / f"{number}.rank0.{stream}").read_text() for stream in ("stdout", "stderr"))
-        )
+        subprocess.CompletedProcess(run, start.returncode, output(number, "stdout"), output(number, "stderr"))
         for number, run in enumerate(runs)
     ]
 

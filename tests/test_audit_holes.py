@@ -346,7 +346,7 @@ def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(ima
     hang = subprocess_env(LAB_TEST_HANG_IN_TEARDOWN="1")
     started = time.monotonic()
     result = train(image_data, output, "every", "--quiet", "--epochs", "1", env=hang, launcher=["--max-restarts=1"])
-    assert time.monotonic() - started < 120  # against a hang: 5x the 20 s measured on the AVX2 kind
+    assert time.monotonic() - started < 150  # against a hang: 5x the 30 s measured on the AVX2 kind (two files at once)
     assert_ok(result)
     lines = [line for line in result.stderr.splitlines() if "did not close within" in line]
     assert lines == [

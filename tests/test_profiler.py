@@ -50,11 +50,7 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
                 assert begin < witness < agreement < end
             assert summary["audit"]["gradient_syncs"] == calls["c10d::allreduce_"] - LAB_ALLREDUCES
             assert summary["optimizer_steps"] == 2  # the profiler's own Optimizer.step ranges
-            assert (
-                0
-                < summary["compute_seconds_per_micro_batch"]
-                < max(end - start for _, start, end in summary["micro_batches"])
-            )
+            assert summary["compute_seconds_per_micro_batch"] > 0  # measured (never judged here)
 
 
 def test_each_ranks_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):

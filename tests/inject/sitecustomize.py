@@ -54,9 +54,14 @@ LAB_TEST_FSDP: FSDP2 beneath the lab's code: "uncorrected" makes set_force_sum_r
   (every backward reduce-scatters, no_sync() or not).
 """
 
-import functools
 import json
 import os
+import sys
+
+# A rank started under torchrun by a test not marked torchrun (tests/conftest.py): the fast tier stays free of starts.
+if os.environ.get("LAB_TEST_UNMARKED") and os.environ.get("TORCHELASTIC_RUN_ID"):
+    print(os.environ["LAB_TEST_UNMARKED"], file=sys.stderr, flush=True)
+    os._exit(3)
 
 PATCHED = []  # (owner, name, what it held) for each thing an injection replaced, in order
 ABSENT = object()  # what a dict held under a name it did not have
@@ -93,9 +98,6 @@ def at_a_ranks_step(variables, variable, before=None, after=None):
     original_step = torch.optim.AdamW.step
     steps_taken = [0]
 
-    # wraps: torch's optimizer marks the step it has wrapped with its hooks (`hooked`); the mark kept, a step
-    # already wrapped (an earlier run's AdamW in this process) is not wrapped again, its hooks not run twice.
-    @functools.wraps(original_step)
     def step_with_injection(self, *args, **kwargs):
         steps_taken[0] += 1
         on_this_rank = chosen_rank == "*" or os.environ.get("RANK") == chosen_rank
@@ -113,8 +115,6 @@ def at_a_ranks_step(variables, variable, before=None, after=None):
 def inject(variables):
     """Each injection that `variables` (os.environ, or one run's own LAB_TEST_* assignments) asks for."""
     if variables.get("LAB_TEST_TEXT_NO_CORPUS"):
-        import sys
-
         patch(sys.modules, "pydoc_data", None)  # import pydoc_data... raises ImportError
 
     if variables.get("LAB_TEST_TEXT_CHARACTERS") or variables.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK"):
@@ -202,7 +202,6 @@ def inject(variables):
 
         original_adamw_step = torch.optim.AdamW.step
 
-        @functools.wraps(original_adamw_step)  # as step_with_injection's
         def step_without_gradients(self, *args, **kwargs):
             for group in self.param_groups:
                 for parameter in group["params"]:

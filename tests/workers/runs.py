@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import sitecustomize  # tests/inject, on the tests' PYTHONPATH
+import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +37,24 @@ def split_runs(arguments):
     return runs
 
 
+@contextlib.contextmanager
+def own_injections(injections):
+    """A run's own injections in force for it alone, in a process as a run of its own would find it. torch wraps
+    AdamW's class step in the optimizer hooks when the first AdamW is made, and never again: an injection made
+    after an earlier run's AdamW would wrap the hooked step from outside (the fault before the hooks, not
+    inside them). So AdamW's step is put back as it was before the run, with everything the injections patched."""
+    step, kept = vars(torch.optim.AdamW).get("step"), len(sitecustomize.PATCHED)
+    sitecustomize.inject(injections)
+    try:
+        yield
+    finally:
+        sitecustomize.undo(kept)
+        if step is not None:
+            torch.optim.AdamW.step = step
+        elif "step" in vars(torch.optim.AdamW):  # inherited from Adam until the first AdamW
+            del torch.optim.AdamW.step
+
+
 def main():
     logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
     place = launch.init_process_group(launch.launch_environment(2))
@@ -43,14 +62,10 @@ def main():
         injections = dict(word.split("=", 1) for word in words if word.startswith("LAB_TEST_"))
         args = train.parse_args([word for word in words if not word.startswith("LAB_TEST_")])
         stem = logs / f"{number}.rank{place.rank}"
-        kept = len(sitecustomize.PATCHED)
-        sitecustomize.inject(injections)
-        try:
+        with own_injections(injections):
             with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                     train.run(args, place)
-        finally:
-            sitecustomize.undo(kept)
     dist.destroy_process_group()
 
 
