@@ -11,6 +11,7 @@ import torch
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
 from lab import certify, experiment, records, scale
 from model import CifarCNN
+from tools import synthetic_data
 
 # Each bug, the checklist item it breaks (or the loop's and the beneath one's), and the modes its two injections
 # run in (the loop's first, then beneath the loop's): across the bugs each way meets each mode.
@@ -27,6 +28,8 @@ BUGS = {
     "reset_on_one_rank": (7, ("every", "no_sync")),
     "loss_on_part_of_batch": ((3, 4), ("no_sync", "every")),  # in the loop: sliced before the criterion
 }
+# 120 train-source images (96 train: 48 per rank, 12 micro-batches of 4, 3 windows; 24 validation), 40 test.
+BUG_IMAGES = (120, 40)
 LABEL_LIE = "compression_label_lies"  # --comm-hook bf16 sending float32: both modes trained with it
 
 
@@ -35,10 +38,13 @@ def other(mode):
 
 
 @pytest.fixture(scope="module")
-def injected_runs(tmp_path_factory, image_data):
+def injected_runs(tmp_path_factory):
     """Every scenario trained for one epoch in one torchrun start (tests/workers/checklist_bugs.py), with the
-    lab's correct pair beside them: in the run's precision (each bugged mode's partner), and in float32."""
+    lab's correct pair beside them: in the run's precision (each bugged mode's partner), and in float32. On
+    BUG_IMAGES: 3 windows per rank, enough for each bug (a skipped step is the 3rd), in 30 trainings."""
     out = tmp_path_factory.mktemp("bugs")
+    image_data = out / "data"
+    synthetic_data.write_dataset(image_data, "image-folders", *BUG_IMAGES)
     scenarios = [
         f"{bug}:{way}:{mode}" for bug, (_, modes) in BUGS.items() for way, mode in zip(("loop", "beneath"), modes)
     ] + [f"{LABEL_LIE}:loop:both", f"{LABEL_LIE}:beneath:both", "none:loop:both", "none:loop:both:fp32"]
