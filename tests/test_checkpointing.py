@@ -17,13 +17,13 @@ from torch import nn
 
 import model
 from conftest import (
+    SMALL_RUN,
     TIMING,
-    assert_ok,
     assert_one_line_error,
     assert_train_error,
     read_json,
     subprocess_env,
-    train_pair,
+    train_in_one_start,
     verify,
 )
 from conftest import (
@@ -202,8 +202,13 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
 
 @pytest.fixture(scope="module")
 def checkpointed_runs(image_data, tmp_path_factory):
+    """The checkpointed pair, and beside it (statistics_twice/every) `every` checkpointed with BatchNorm
+    recomputed as is (tests/inject), in one torchrun start."""
     artifacts = tmp_path_factory.mktemp("checkpointed") / "artifacts"
-    train_pair(image_data, artifacts, "--activation-checkpointing", "--quiet")
+    common = ["--data-dir", image_data, *SMALL_RUN, "--activation-checkpointing", "--quiet"]
+    runs = [["--mode", mode, "--output", artifacts / mode, *common] for mode in experiment.MODES]
+    twice = ["LAB_TEST_CHECKPOINT=statistics_twice", "--mode", "every", "--output", artifacts.parent / "twice", *common]
+    train_in_one_start(artifacts.parent / "logs", *runs, twice)
     return artifacts
 
 
@@ -263,13 +268,12 @@ def test_reentrant_checkpointing_in_train_py_stops_with_one_line(image_data, tmp
 
 
 @pytest.mark.torchrun
-def test_statistics_updated_twice_are_caught_by_verify(checkpointed_runs, image_data, tmp_path):
+def test_statistics_updated_twice_are_caught_by_verify(checkpointed_runs, tmp_path):
     """The recomputation left to update BatchNorm again: every count, loss and gradient is right, and only the
     BatchNorm counters (and running statistics) of the saved model give it away."""
     runs = tmp_path / "artifacts"
     shutil.copytree(checkpointed_runs / "no_sync", runs / "no_sync")
-    env = subprocess_env(LAB_TEST_CHECKPOINT="statistics_twice")
-    assert_ok(train_run(image_data, runs / "every", "every", "--activation-checkpointing", "--quiet", env=env))
+    shutil.copytree(checkpointed_runs.parent / "twice", runs / "every")
     assert_one_line_error(
         verify(runs),
         f"{runs}/every/model.pt: features.1 counted 80 BatchNorm updates, the run had 40 training forwards: its running "

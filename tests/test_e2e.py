@@ -14,6 +14,8 @@ import torch
 from PIL import Image
 
 from conftest import (
+    MODES,
+    SMALL_RUN,
     SOURCE_IMAGES,
     TEST_IMAGES,
     TIMING,
@@ -22,7 +24,7 @@ from conftest import (
     run_python,
     stderr_lines,
     train,
-    train_pair,
+    train_in_one_start,
 )
 from lab import records
 from model import CLASSES, CifarCNN, eval_transform
@@ -84,12 +86,32 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["train_images_per_second"] > 0
 
 
+@pytest.fixture(scope="module")
+def own_runs(image_data, tmp_path_factory):
+    """In one torchrun start: both modes in micro-batches of 20 (one window per epoch), and `every` on the
+    shared data's twin with its training labels shuffled."""
+    folder = tmp_path_factory.mktemp("own-runs")
+    shuffled = folder / "shuffled-data"
+    synthetic_data.write_dataset(shuffled, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
+    files = sorted((shuffled / "train").rglob("*.png"))
+    targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
+    for index, (path, target) in enumerate(zip(files, targets)):
+        path.rename(target / f"shuffled-{index:05d}.png")
+    one_window = [
+        ["--mode", mode, "--output", folder / "one-window" / mode, "--data-dir", image_data, *SMALL_RUN,
+         "--batch-size", "20", "--quiet"]
+        for mode in MODES
+    ]  # fmt: skip
+    shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
+    train_in_one_start(folder / "logs", *one_window, shuffled_run)
+    return folder
+
+
 @pytest.mark.torchrun
-def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(image_data, tmp_path):
+def test_one_window_per_epoch_moves_the_bucket_rebuild_to_epoch_two(own_runs):
     """80 images per rank in micro-batches of 20: one window per epoch. no_sync's only sync is the epoch's
     last forward, so DDP rebuilds its buckets at the first forward of epoch 2; verify.py expects exactly that."""
-    artifacts = tmp_path / "artifacts"
-    train_pair(image_data, artifacts, "--batch-size", "20", "--quiet")
+    artifacts = own_runs / "one-window"
     history = read_json(artifacts / "no_sync" / "history.json")
     assert [
         (row["gradient_syncs"], row["buffer_broadcast_collectives"], row["rebuild_broadcast_collectives"])
@@ -229,15 +251,8 @@ def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_
 
 
 @pytest.mark.torchrun
-def test_shuffled_labels_do_not_beat_the_baseline(tmp_path):
+def test_shuffled_labels_do_not_beat_the_baseline(own_runs):
     """The synthetic data are learnable only through their labels: with the training labels shuffled
     the same pipeline stays near chance, so the quick run's accuracy means something."""
-    root = tmp_path / "data"
-    synthetic_data.write_dataset(root, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
-    files = sorted((root / "train").rglob("*.png"))
-    targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
-    for index, (path, target) in enumerate(zip(files, targets)):
-        path.rename(target / f"shuffled-{index:05d}.png")
-    assert_ok(train(root, tmp_path / "out", "every", "--quiet"))
-    report = read_json(tmp_path / "out" / "report.json")
+    report = read_json(own_runs / "shuffled" / "report.json")
     assert report["model_test_accuracy"] < 0.25, report["model_test_accuracy"]

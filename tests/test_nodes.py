@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from conftest import (
+    MODES,
     PROFILED,
     REPO,
     SMALL_RUN,
     TIMING,
+    WORKERS,
     assert_ok,
     assert_train_error,
     read_json,
@@ -33,15 +35,18 @@ from tools import loopback
 NODE_FAILURE_SECONDS = 60
 
 
-def start_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO, REPO), restarts=0):
-    """train.py on two nodes, node r started in folders[r] with node_args[r], node_env[r] added to env, from
-    checkouts[r] (the lab's own by default); torchrun restarts failed workers `restarts` times."""
+def start_nodes(
+    folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO, REPO), restarts=0, script="train.py"
+):
+    """train.py (or another script of the checkout) on two nodes, node r started in folders[r] with node_args[r],
+    node_env[r] added to env, from checkouts[r] (the lab's own by default); torchrun restarts failed workers
+    `restarts` times."""
     starting_torchrun()
     port = loopback.free_loopback_port()
     env = env or subprocess_env()
     launchers = []
     for node, (folder, args, own_env, checkout) in enumerate(zip(folders, node_args, node_env, checkouts)):
-        command = loopback.loopback_node_command(node, 2, port, [checkout / "train.py", *args], restarts)
+        command = loopback.loopback_node_command(node, 2, port, [checkout / script, *args], restarts)
         # One core per node, as torchrun itself sets for several processes on one machine.
         node_variables = {**env, "OMP_NUM_THREADS": "1", **own_env}
         launchers.append(
@@ -71,6 +76,19 @@ def two_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO,
     return finish(start_nodes(folders, *node_args, env=env, node_env=node_env, checkouts=checkouts))
 
 
+def two_nodes_in_one_start(folders, logs, *runs, node_env=({}, {})):
+    """Several train.py runs (each a list of its options, the same on both nodes) in one two-node start
+    (tests/workers/runs.py, as conftest.train_in_one_start on one node). Returns each run's stderr on each node:
+    [node][run]."""
+    logs.mkdir(parents=True)
+    options = [logs, *(argument for run in runs for argument in ("--", *map(str, run)))]
+    script = WORKERS.relative_to(REPO) / "runs.py"
+    results, _ = finish(start_nodes(folders, options, options, node_env=node_env, script=script))
+    for result in results:
+        assert_ok(result)
+    return [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(len(runs))] for node in (0, 1)]
+
+
 def node_folders(tmp_path, image_data):
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for folder in folders:
@@ -85,13 +103,12 @@ def same_run(mode, extra=()):
 
 @pytest.fixture(scope="module")
 def two_node_runs(tmp_path_factory, image_data):
-    folders = node_folders(tmp_path_factory.mktemp("nodes"), image_data)
-    node_stderr = [{}, {}]
-    for mode in ("every", "no_sync"):
-        results, _ = two_nodes(folders, *same_run(mode, PROFILED))  # profiled, as the one-node runs
-        for node, result in enumerate(results):
-            node_stderr[node][mode] = assert_ok(result).stderr
-    return folders, node_stderr
+    """Both modes on two nodes in one start, profiled as the one-node runs; each node's stderr of each mode."""
+    root = tmp_path_factory.mktemp("nodes")
+    folders = node_folders(root, image_data)
+    runs = [same_run(mode, PROFILED)[0] for mode in MODES]
+    node_stderr = two_nodes_in_one_start(folders, root / "logs", *runs)
+    return folders, [dict(zip(MODES, stderr)) for stderr in node_stderr]
 
 
 @pytest.mark.torchrun
@@ -243,10 +260,7 @@ def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data)
     bits; the step fingerprints (exact integer sums of the values' bits) do not, and verify.py passes both modes."""
     node0, node1 = node_folders(tmp_path, image_data)
     threads = ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"})
-    for mode in ("every", "no_sync"):
-        results, _ = two_nodes([node0, node1], *same_run(mode), node_env=threads)
-        for result in results:
-            assert_ok(result)
+    two_nodes_in_one_start([node0, node1], tmp_path / "logs", *(same_run(mode)[0] for mode in MODES), node_env=threads)
     result = verify(node0 / "artifacts")
     assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("every", "no_sync"):
