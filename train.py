@@ -351,8 +351,9 @@ def main():
             with launch.bounded_teardown(place):
                 dist.destroy_process_group()
     except LabError as error:
-        # Every rank stops on it together (see launch.agree); one line per node, from its first process.
-        exit_with(error, SCRIPT, show=place.local_rank == 0)
+        # Every rank stops on it together (see launch.agree); one line per node, from its first process. At once:
+        # the interpreter's finalization after the groups closed aborted a rank under load (exit -6, not 2; once).
+        exit_with(error, SCRIPT, show=place.local_rank == 0, at_once=True)
 
 
 if __name__ == "__main__":

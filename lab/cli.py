@@ -28,10 +28,12 @@ class LabError(Exception):
         return f"{self.kind}: {self}" if self.kind else f"{script}: error: {self}"
 
 
-def exit_with(error, script, show=True):
+def exit_with(error, script, show=True, at_once=False):
+    """The error's line, then its exit code; at once (os._exit, output flushed) for a broken process or when
+    asked: without the interpreter's finalization."""
     if show:
         print(error.line(script), file=sys.stderr, flush=True)
-    if error.broken_process:
+    if error.broken_process or at_once:
         sys.stdout.flush()
         os._exit(error.exit_code)
     sys.exit(error.exit_code)
