@@ -73,8 +73,8 @@ PYTEST := -m pytest -q --strict-markers --durations=15 -n 2 --dist loadfile
 test: $(VENV)/.requirements-dev
 	$(PY) $(PYTEST) tests
 
-# The inner loop: the tests that start no torchrun job of their own (they may read the session's shared pair,
-# one start), within 2 minutes; `make test` runs these and the rest (docs/tests.md).
+# The inner loop: the tests that start no torchrun job of their own (they may read the shared pair, one start
+# per test worker), within 2 minutes; `make test` runs these and the rest (docs/tests.md).
 test-fast: $(VENV)/.requirements-dev
 	$(PY) $(PYTEST) -m "not torchrun" tests
 

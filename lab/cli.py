@@ -35,6 +35,7 @@ def exit_with(error, script, show=True, at_once=False):
         print(error.line(script), file=sys.stderr, flush=True)
     if error.broken_process or at_once:
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(error.exit_code)
     sys.exit(error.exit_code)
 
