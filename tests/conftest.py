@@ -30,6 +30,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lab.experiment import MODES  # noqa: E402
 from tools import synthetic_data  # noqa: E402
 
 INJECT = Path(__file__).resolve().parent / "inject"
@@ -40,7 +41,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nn
 # batch 4, accum_steps 4, 2 epochs: 80 images and 20 micro-batches per rank and epoch, 5 windows. Its size
 # keeps `make test` within 20 minutes on a 2-core CPU without BF16 instructions (float32: docs/tests.md).
 SOURCE_IMAGES, TEST_IMAGES = 200, 100
-MODES = ("every", "no_sync")
 SMALL_RUN = ["--epochs", "2", "--batch-size", "4", "--accum-steps", "4", "--device", "cpu"]
 # A history row's fields that measure time: they differ between reruns that agree on everything else.
 TIMING = {
@@ -170,12 +170,19 @@ def train(data_dir, output, mode, *extra, env=None, launcher=()):
     )  # fmt: skip
 
 
+RUNS_WORKER = WORKERS.relative_to(REPO) / "runs.py"
+
+
+def runs_worker_arguments(logs, runs):
+    """tests/workers/runs.py's command line for `runs` (each a list of train.py's options), LOGS made."""
+    logs.mkdir(parents=True, exist_ok=True)
+    return [logs, *(argument for run in runs for argument in ("--", *map(str, run)))]
+
+
 def train_in_one_start(logs, *runs, env=None):
     """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
     start's cost for all. Returns each run's output as a finished process's: every rank's, rank 0's first."""
-    logs.mkdir(parents=True, exist_ok=True)
-    options = [argument for run in runs for argument in ("--", *map(str, run))]
-    start = torchrun(WORKERS.relative_to(REPO) / "runs.py", logs, *options, env=env)
+    start = torchrun(RUNS_WORKER, *runs_worker_arguments(logs, runs), env=env)
     assert_ok(start)
 
     def output(number, stream):

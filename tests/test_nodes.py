@@ -19,12 +19,13 @@ from conftest import (
     MODES,
     PROFILED,
     REPO,
+    RUNS_WORKER,
     SMALL_RUN,
     TIMING,
-    WORKERS,
     assert_ok,
     assert_train_error,
     read_json,
+    runs_worker_arguments,
     starting_torchrun,
     subprocess_env,
     verify,
@@ -80,10 +81,8 @@ def two_nodes_in_one_start(folders, logs, *runs, node_env=({}, {})):
     """Several train.py runs (each a list of its options, the same on both nodes) in one two-node start
     (tests/workers/runs.py, as conftest.train_in_one_start on one node). Returns each run's stderr on each node:
     [node][run]."""
-    logs.mkdir(parents=True)
-    options = [logs, *(argument for run in runs for argument in ("--", *map(str, run)))]
-    script = WORKERS.relative_to(REPO) / "runs.py"
-    results, _ = finish(start_nodes(folders, options, options, node_env=node_env, script=script))
+    options = runs_worker_arguments(logs, runs)
+    results, _ = finish(start_nodes(folders, options, options, node_env=node_env, script=RUNS_WORKER))
     for result in results:
         assert_ok(result)
     return [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(len(runs))] for node in (0, 1)]
