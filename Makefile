@@ -17,19 +17,27 @@ QUICK := artifacts/quick
 TEXT := artifacts/text
 TEXT_QUICK := artifacts/text-quick
 
-.PHONY: lab quick text text-quick test test-fast lint check compat compat-run clean
+.PHONY: lab quick text text-quick test test-fast lint check compat compat-run install-package clean
 
 # A venv that failed half-way (no ensurepip: python3-venv missing) is removed, so that the next try starts clean.
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
+# The lab's package (pyproject.toml), editable in setuptools' compat mode: the checkout's root on the
+# environment's path, so that tools/, benchmarks/ and tests/ import it, model.py and train.py from any folder.
+define install_package
+	$(PY) -m pip install --no-deps --editable . --config-settings editable_mode=compat
+endef
+
 # pip's progress shown, not silenced: the first install downloads torch's CUDA build, 6.6 GB installed.
-$(VENV)/.requirements: requirements.txt | $(PY)
+$(VENV)/.requirements: requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -r requirements.txt
+	$(install_package)
 	touch $@
 
-$(VENV)/.requirements-dev: requirements-dev.txt requirements.txt | $(PY)
+$(VENV)/.requirements-dev: requirements-dev.txt requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -r requirements-dev.txt
+	$(install_package)
 	touch $@
 
 # The documented experiment: both modes, 5 epochs, local batch 50, accum_steps 4; on two GPUs when there
@@ -93,7 +101,11 @@ compat:
 	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
 	.venv-torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)" torchvision \
 		$$(grep -h -E '^(pillow|pytest|pytest-xdist|execnet)==' requirements.txt requirements-dev.txt)
+	$(MAKE) --no-print-directory install-package VENV=.venv-torch-$(TORCH)
 	$(MAKE) --no-print-directory compat-run VENV=.venv-torch-$(TORCH) QUICK=artifacts/quick-torch-$(TORCH)
+
+install-package:
+	$(install_package)
 
 compat-run:
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
@@ -103,4 +115,4 @@ compat-run:
 # Only the lab's own outputs, in the lab's own folder (as the document's clean-up does).
 clean:
 	cd "$(LAB_DIR)" && test -f train.py && test -f model.py && \
-	rm -rf artifacts data .venv .venv-torch-* __pycache__ tests/__pycache__ .pytest_cache
+	rm -rf artifacts data .venv .venv-torch-* ddp_no_sync_lab.egg-info __pycache__ tests/__pycache__ .pytest_cache

@@ -4,8 +4,8 @@
     python check_env.py --nproc-per-node 1    # for a node of a multi-node run with one process
     python check_env.py --lab-device          # only 'cuda' or 'cpu': what train.py --device auto will take
 
-train.py's device policy (lab/launch.py's node_device) decides per node: GPUs (NCCL, one process per GPU) when the node
-has at least one visible GPU per process it runs, else CPU (gloo). The precision (lab/precision.py) follows the
+train.py's device policy (ddp_no_sync_lab/launch.py's node_device) decides per node: GPUs (NCCL, one process per GPU) when the node
+has at least one visible GPU per process it runs, else CPU (gloo). The precision (ddp_no_sync_lab/precision.py) follows the
 device: BF16 autocast where it computes BF16 natively, float32 elsewhere; this check prints the decision and
 why, as train.py does at start-up.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torchvision
 
-from lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from lab.data import TORCHVISION_FOLDER, is_image_folder_tree
-from lab.experiment import DOCUMENTED
-from lab.launch import node_device
-from lab.precision import choose_precision
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
+from ddp_no_sync_lab.data import TORCHVISION_FOLDER, is_image_folder_tree
+from ddp_no_sync_lab.experiment import DOCUMENTED
+from ddp_no_sync_lab.launch import node_device
+from ddp_no_sync_lab.precision import choose_precision
 
 DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
 

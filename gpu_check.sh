@@ -76,7 +76,7 @@ if [[ $DEVICE == cuda ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY" || true
     "$PY" -c "import torch; print(f'{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}')" | tee -a "$SUMMARY"
 fi
-"$PY" -c "import torch; from lab.precision import choose_precision; print('precision auto:', choose_precision('auto', torch.device('$DEVICE', 0 if '$DEVICE' == 'cuda' else None)).reason)" | tee -a "$SUMMARY"
+"$PY" -c "import torch; from ddp_no_sync_lab.precision import choose_precision; print('precision auto:', choose_precision('auto', torch.device('$DEVICE', 0 if '$DEVICE' == 'cuda' else None)).reason)" | tee -a "$SUMMARY"
 
 step "3. Synthetic data"
 "$PY" tools/synthetic_data.py --out "$WORK/data" --train-source 4000 --test 1000

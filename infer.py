@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from lab.data import IMAGE_ERRORS, IMAGE_SUFFIXES
-from lab.precision import PRECISIONS, choose_precision
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
+from ddp_no_sync_lab.data import IMAGE_ERRORS, IMAGE_SUFFIXES
+from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
 from model import CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"

@@ -12,7 +12,7 @@ Two machines, one process each: the same command on both (docs/across-machines.m
 `every` all-reduces the gradients after every micro-batch and steps once per window of --accum-steps;
 `no_sync` runs the forward AND backward of the first accum_steps - 1 micro-batches of each window inside
 ddp_model.no_sync(), so DDP all-reduces once per window. The communication hook below counts the syncs, their
-bytes and time; lab/audit.py's AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
+bytes and time; ddp_no_sync_lab/audit.py's AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
 
 Measured (`make lab` on the EPYC of docs/machines.md, 2026-12-02: 2 CPU ranks, gloo, BF16 autocast, real CIFAR-10 as
 JPEG, documented settings; per rank, totals over 5 epochs; docs/results.md has the whole output):
@@ -39,12 +39,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lab import audit, checklist, data, experiment, language, launch, loaders, packed, records, resume, tap
-from lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
-from lab.memory import saved_activations
-from lab.precision import PRECISIONS
-from lab.sharded import fsdp_in_range, wrap_sharded
-from lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
+from ddp_no_sync_lab import audit, checklist, data, experiment, language, launch, loaders, packed, records, resume, tap
+from ddp_no_sync_lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
+from ddp_no_sync_lab.memory import saved_activations
+from ddp_no_sync_lab.precision import PRECISIONS
+from ddp_no_sync_lab.sharded import fsdp_in_range, wrap_sharded
+from ddp_no_sync_lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT
@@ -146,7 +146,7 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
                 epoch=None, session=None):  # fmt: skip
     """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it), profiled in part
     when a WindowProfiler is given; at each window's end the session saves or stops when due. Returns this rank's
-    (loss sum, correct, count) and its EpochTrace, which the witnesses (lab/checklist.py) fill in."""
+    (loss sum, correct, count) and its EpochTrace, which the witnesses (ddp_no_sync_lab/checklist.py) fill in."""
     epoch = epoch or resume.EpochState(0)
     comm_audit, trace = ddp_model.comm_audit, epoch.trace
     checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
@@ -247,7 +247,7 @@ def run(args, place):
 
     model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
     model = model.to(device, memory_format=MEMORY_FORMAT)
-    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (lab/sharded.py)
+    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/sharded.py)
         ddp_model, comm_audit = wrap_sharded(model, device, place.world_size, group, config)
     else:
         ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))

@@ -8,7 +8,7 @@ and test sizes, seed, batch, window, epochs, learning rate, weight decay, world 
 augmentation; the first that differs is named), then 5 epochs, 100 optimizer steps and 400 (every) or 100
 (no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration the
 runs recorded. Either way every item of the document's checklist is checked against what the run's witnesses
-saw (lab/checklist.py: resets, accumulation, the divisor read at each loss and the loss scale at the logits,
+saw (ddp_no_sync_lab/checklist.py: resets, accumulation, the divisor read at each loss and the loss scale at the logits,
 the average of the ranks' gradients, the samples per step, the optimizer's own steps, the bytes handed to the
 collective), and a refusal names the item. A pair of the text task (train.py --task text) is held to its own
 documented configuration and its packing, made again here (docs/packed.md). Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
@@ -25,9 +25,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from lab import certify, checks, experiment, language, resume, sharded, tables
-from lab.cli import ArgumentParser, LabError, exit_with
-from lab.records import (
+from ddp_no_sync_lab import certify, checks, experiment, language, resume, sharded, tables
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
+from ddp_no_sync_lab.records import (
     CONFUSION_FILE,
     HISTORY_FILE,
     MODEL_FILE,
@@ -37,7 +37,7 @@ from lab.records import (
     AuditError,
     describe_unfinished,
 )
-from lab.witness import check_profile
+from ddp_no_sync_lab.witness import check_profile
 from model import IMAGE_SIZE, CifarCNN
 
 SCRIPT = "verify.py"

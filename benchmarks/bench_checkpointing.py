@@ -13,19 +13,18 @@ and written with everything measured to artifacts/bench/checkpointing.json.
 """
 
 import statistics
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.bench_speed import machine
+from ddp_no_sync_lab import audit, cli, memory, records
+from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+from model import MEMORY_FORMAT, CifarCNN
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench_speed import machine  # noqa: E402
-from lab import audit, cli, memory, records  # noqa: E402
-from lab.precision import PRECISIONS, choose_precision  # noqa: E402
-from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
 
 SCRIPT = "bench_checkpointing.py"
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from ddp_no_sync_lab import audit, cli, experiment, records
+from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+from model import CifarCNN
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from lab import audit, cli, experiment, records  # noqa: E402
-from lab.precision import PRECISIONS, choose_precision  # noqa: E402
-from model import CifarCNN  # noqa: E402
 
 SCRIPT = "bench_ddp_settings.py"
 RUN_TIMEOUT = 1800

@@ -4,7 +4,7 @@
 
 Four short runs of the real train.py (2 ranks, one epoch of two windows of A = 4 micro-batches at the documented
 batch), one per strategy and mode; from each run's history (rank 0, read from the tensors themselves): the
-gradient and parameter bytes held between micro-batches at their most (lab/memory.held_bytes: FSDP's shards, and
+gradient and parameter bytes held between micro-batches at their most (ddp_no_sync_lab/memory.held_bytes: FSDP's shards, and
 its unsharded parameters and gradients while they are allocated), the activations a micro-batch's forward leaves
 for its backward, and on CUDA the allocator's peak. DDP's bucket, its own copy of the gradients for the
 all-reduce, is no tensor of the model's: its bytes are the gradients' (one bucket under the 25 MB cap), added in
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from ddp_no_sync_lab import cli, experiment, pictures, records
+from ddp_no_sync_lab.precision import PRECISIONS
+from tools import synthetic_data
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from lab import cli, experiment, pictures, records  # noqa: E402
-from lab.precision import PRECISIONS  # noqa: E402
-from tools import synthetic_data  # noqa: E402
 
 SCRIPT = "bench_memory.py"
 BATCH, ACCUM = experiment.DOCUMENTED["batch_size"], experiment.DOCUMENTED["accum_steps"]

@@ -38,15 +38,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from lab import cli, data, experiment, pictures, records, sharded  # noqa: E402
-from lab.precision import PRECISIONS  # noqa: E402
-from model import CLASSES, CifarCNN  # noqa: E402
-from tools import loopback, netns, synthetic_data  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from link_model import (  # noqa: E402
+from benchmarks.link_model import (
     ERROR_BOUND,
     WIRE_BYTES_PER_PAYLOAD_BYTE,
     analyse,
@@ -57,6 +49,12 @@ from link_model import (  # noqa: E402
     print_table,
     rate_label,
 )
+from ddp_no_sync_lab import cli, data, experiment, pictures, records, sharded
+from ddp_no_sync_lab.precision import PRECISIONS
+from model import CLASSES, CifarCNN
+from tools import loopback, netns, synthetic_data
+
+REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = "bench_network.py"
 DEFAULT_RATES = "unlimited,1000,200,50"
@@ -320,7 +318,7 @@ def inside(args):
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    # FSDP's all-gathers per micro-batch, from its units (lab/sharded.py); DDP gathers nothing.
+    # FSDP's all-gathers per micro-batch, from its units (ddp_no_sync_lab/sharded.py); DDP gathers nothing.
     world = experiment.DOCUMENTED["world_size"]
     fsdp = args.strategy == "fsdp"
     gathered = sharded.gathered_bytes(sharded.unit_numels(CifarCNN(), world), world) if fsdp else 0

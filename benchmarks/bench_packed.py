@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_packed.py                                        # initial weights
     .venv/bin/python benchmarks/bench_packed.py --checkpoint artifacts/text/no_sync/model.pt   # trained ones
 
-For the text task's documented configuration (lab/experiment.py's TEXT_DOCUMENTED: 2 ranks, accum_steps 4, the
+For the text task's documented configuration (ddp_no_sync_lab/experiment.py's TEXT_DOCUMENTED: 2 ranks, accum_steps 4, the
 seed's split and packing; other rows per micro-batch with --batch-sizes), every window of epoch 1 as the two
 ranks' samplers deal it: each micro-batch's mean-token-loss gradient, in float32 at one fixed set of weights, then
 the window's gradient two ways from the same micro-batch gradients: per token (each weighted by its tokens over
@@ -17,16 +17,15 @@ artifacts/bench/packed.png.
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.bench_speed import machine
+from ddp_no_sync_lab import cli, experiment, packed, pictures, records
+from ddp_no_sync_lab.language import ByteTransformer, TokenCrossEntropy
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench_speed import machine  # noqa: E402
-from lab import cli, experiment, packed, pictures, records  # noqa: E402
-from lab.language import ByteTransformer, TokenCrossEntropy  # noqa: E402
 
 SCRIPT = "bench_packed.py"
 DOCUMENTED = experiment.TEXT_DOCUMENTED

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
+from ddp_no_sync_lab import audit, checklist, cli, data, experiment, launch, loaders, records
+from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from lab import audit, checklist, cli, data, experiment, launch, loaders, records  # noqa: E402
-from lab.precision import PRECISIONS, choose_precision  # noqa: E402
 
 SCRIPT = "bench_speed.py"
 RUN_TIMEOUT = 1800

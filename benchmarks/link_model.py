@@ -22,12 +22,8 @@ nodes over an emulated link):
         --world-size 2 --accum-steps 4 --shared-link
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import ArgumentParser, non_negative_float, positive_float, positive_int  # noqa: E402
-from tools import netns  # noqa: E402
+from ddp_no_sync_lab.cli import ArgumentParser, non_negative_float, positive_float, positive_int
+from tools import netns
 
 ERROR_BOUND = 0.10  # the model's aim: each cell's predicted speedup within 10 % of the measured
 SYNC_TO_COMPUTE_RATIOS = (0.01, 0.1, 0.25, 0.5, 0.8, 1, 2, 5, 10)  # the model's "when does it pay" table

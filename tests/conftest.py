@@ -24,14 +24,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ddp_no_sync_lab.experiment import MODES
+from tools import synthetic_data
+
 # The suite is the CPU suite, in this process too (infer.py runs here): it means the same on a GPU machine.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from lab.experiment import MODES  # noqa: E402
-from tools import synthetic_data  # noqa: E402
 
 INJECT = Path(__file__).resolve().parent / "inject"
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -60,7 +58,7 @@ def subprocess_env(**variables):
     # gloo binds to loopback only: the tests talk to nothing beyond 127.0.0.1. The suite is the CPU suite:
     # its subprocesses see no GPU, so that it means the same on a machine with one (gpu_check.sh runs CUDA).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", **variables}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INJECT), env.get("PYTHONPATH")]))
     if not torchrun_allowed():  # a rank that a script of this test starts under torchrun stops at once (tests/inject)
         env["LAB_TEST_UNMARKED"] = f"{RUNNING['test'].nodeid} started a torchrun job: mark it @pytest.mark.torchrun"
     return env

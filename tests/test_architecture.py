@@ -1,18 +1,21 @@
-"""The house's rules, read from the source: the lab's modules in layers (lab/__init__.py lists them, each
+"""The house's rules, read from the source: the lab's modules in layers (ddp_no_sync_lab/__init__.py lists them, each
 importing only those above it in the list, and model.py, which imports nothing of the lab), the scripts on top,
 no import cycle, and no module over about 400 lines."""
 
 import ast
 import re
 
+import ddp_no_sync_lab
 from conftest import REPO
 
-LAB = REPO / "lab"
+PACKAGE = ddp_no_sync_lab.__name__
+
+LAB = REPO / PACKAGE
 SCRIPTS = ["model.py", "train.py", "verify.py", "infer.py", "check_env.py"]
 
 
 def layer_order():
-    """The modules in the order lab/__init__.py's docstring lists them."""
+    """The modules in the order ddp_no_sync_lab/__init__.py's docstring lists them."""
     docstring = ast.get_docstring(ast.parse((LAB / "__init__.py").read_text()))
     return re.findall(r"^    ([a-z_]+)  +", docstring, re.M)
 
@@ -22,10 +25,10 @@ def imported_lab_modules(path):
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "lab":
+            if node.module == PACKAGE:
                 found |= {alias.name for alias in node.names}
-            elif node.module.startswith("lab."):
-                found.add(node.module.removeprefix("lab."))
+            elif node.module.startswith(f"{PACKAGE}."):
+                found.add(node.module.removeprefix(f"{PACKAGE}."))
             elif f"{node.module}.py" in SCRIPTS:
                 found.add(f"{node.module}.py")
         elif isinstance(node, ast.Import):
@@ -44,7 +47,7 @@ def test_each_lab_module_imports_only_the_modules_above_it_and_model():
     for position, name in enumerate(order):
         imports = imported_lab_modules(LAB / f"{name}.py")
         allowed = set(order[:position]) | {"model.py"}
-        assert imports <= allowed, f"lab/{name}.py imports {sorted(imports - allowed)}, which are not above it"
+        assert imports <= allowed, f"{PACKAGE}/{name}.py imports {sorted(imports - allowed)}, which are not above it"
 
 
 def test_model_imports_nothing_of_the_lab():
@@ -72,7 +75,7 @@ def test_the_architecture_page_lists_every_module_with_its_imports():
     """docs/architecture.md's module table: one row per module in the layers' order, its imports as they are."""
     order = layer_order()
     rows = re.findall(
-        r"^\| `lab/([a-z_]+)\.py` \| .* \| ([^|]+) \|$", (REPO / "docs/architecture.md").read_text(), re.M
+        r"^\| `ddp_no_sync_lab/([a-z_]+)\.py` \| .* \| ([^|]+) \|$", (REPO / "docs/architecture.md").read_text(), re.M
     )
     assert [name for name, _ in rows] == order
     for name, listed in rows:

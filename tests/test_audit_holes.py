@@ -27,7 +27,7 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from lab import audit, certify, experiment, launch, records, witness
+from ddp_no_sync_lab import audit, certify, experiment, launch, records, witness
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

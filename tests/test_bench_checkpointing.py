@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from conftest import assert_one_line_error, run_python
-from lab import memory
-from lab.precision import choose_precision
+from ddp_no_sync_lab import memory
+from ddp_no_sync_lab.precision import choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 
 

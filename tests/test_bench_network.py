@@ -8,11 +8,8 @@ import sys
 import pytest
 from PIL import Image
 
-from conftest import REPO, assert_one_line_error, run_python
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import bench_network  # noqa: E402
-import link_model  # noqa: E402
+from benchmarks import bench_network, link_model
+from conftest import assert_one_line_error, run_python
 
 FRAMING = (1514 + 33) / 1448  # a 1,514-byte frame per 1,448 bytes of TCP payload, a 66-byte ACK every second
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
-from lab import certify, experiment, records, scale
+from ddp_no_sync_lab import certify, experiment, records, scale
 from model import CifarCNN
 from tools import synthetic_data
 

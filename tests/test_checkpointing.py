@@ -29,8 +29,8 @@ from conftest import (
 from conftest import (
     train as train_run,
 )
-from lab import audit, experiment, memory
-from lab.precision import choose_precision
+from ddp_no_sync_lab import audit, experiment, memory
+from ddp_no_sync_lab.precision import choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, STEPS = 8, 4, 3

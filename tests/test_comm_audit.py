@@ -1,5 +1,5 @@
 """The audit counts what really crosses between the ranks: checked against the PyTorch profiler's record of
-the c10d collectives, and against the counts lab.py derives from the configuration and the model."""
+the c10d collectives, and against the counts ddp_no_sync_lab.py derives from the configuration and the model."""
 
 import json
 import threading
@@ -10,12 +10,12 @@ import torch
 
 import train
 from conftest import WORKERS, assert_ok, torchrun
-from lab import audit, cli, experiment
+from ddp_no_sync_lab import audit, cli, experiment
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
 # train_epoch adds two small all-reduces per optimizer step: the ranks' fingerprints (audit.ranks_agree) and the
-# checklist's projections of the ranks' local gradients (lab.checklist), counted as witness_allreduces.
+# checklist's projections of the ranks' local gradients (ddp_no_sync_lab.checklist), counted as witness_allreduces.
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from conftest import (
     train_pair,
     verify,
 )
-from lab import experiment, records
+from ddp_no_sync_lab import experiment, records
 from model import CifarCNN
 
 GRADIENT_BYTES = 558_538 * 4

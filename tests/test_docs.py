@@ -13,7 +13,7 @@ from conftest import REPO, run_python
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CODE = [
     path
-    for pattern in ("*.py", "lab/*.py", "tools/*.py", "benchmarks/*.py", "tests/*.py", "tests/workers/*.py", "*.sh")
+    for pattern in ("*.py", "ddp_no_sync_lab/**/*.py", "tools/*.py", "benchmarks/*.py", "tests/**/*.py", "*.sh")
     for path in sorted(REPO.glob(pattern))
 ] + [REPO / "Makefile", REPO / ".ci/run"]
 FENCE = re.compile(r"^\s*```")

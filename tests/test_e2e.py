@@ -26,7 +26,7 @@ from conftest import (
     train,
     train_in_one_start,
 )
-from lab import records
+from ddp_no_sync_lab import records
 from model import CLASSES, CifarCNN, eval_transform
 from tools import synthetic_data
 

@@ -22,8 +22,8 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from lab import experiment, launch, records
-from lab.cli import LabError
+from ddp_no_sync_lab import experiment, launch, records
+from ddp_no_sync_lab.cli import LabError
 
 
 def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):

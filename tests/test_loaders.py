@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, train, verify
-from lab import cli, data, loaders, records
+from ddp_no_sync_lab import cli, data, loaders, records
 from tools import synthetic_data
 
 CPU = torch.device("cpu")

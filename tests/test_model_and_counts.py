@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lab import cli, experiment, records
+from ddp_no_sync_lab import cli, experiment, records
 from model import CIFAR10_MEAN, CIFAR10_STD, CLASSES, CifarCNN
 
 # Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.

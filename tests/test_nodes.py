@@ -30,6 +30,7 @@ from conftest import (
     subprocess_env,
     verify,
 )
+from ddp_no_sync_lab import launch
 from test_faults import rank_pid
 from tools import loopback
 
@@ -267,15 +268,47 @@ def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data)
         assert [row["steps_with_ranks_agreed"] for row in rows] == [row["optimizer_steps"] for row in rows]
 
 
+def test_the_code_every_node_must_share_is_every_python_file_of_the_package_in_its_subfolders_too(
+    tmp_path, monkeypatch
+):
+    """The hash a node compares covers train.py, model.py and each Python file beneath the package, at any depth."""
+    package = tmp_path / "package"
+    for name in (
+        "train.py",
+        "model.py",
+        "package/__init__.py",
+        "package/cli.py",
+        "package/tasks/__init__.py",
+        "package/tasks/image.py",
+        "package/tasks/notes.txt",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(launch, "LAB_ROOT", tmp_path)
+    monkeypatch.setattr(launch, "PACKAGE_ROOT", package)
+    assert [path.relative_to(tmp_path).as_posix() for path in launch.hashed_code()] == [
+        "train.py",
+        "model.py",
+        "package/__init__.py",
+        "package/cli.py",
+        "package/tasks/__init__.py",
+        "package/tasks/image.py",
+    ]
+    before = launch.code_and_versions()["code sha256"]
+    with open(package / "tasks" / "image.py", "a") as source:
+        source.write("# an edit in a subfolder\n")
+    assert launch.code_and_versions()["code sha256"] != before
+
+
 @pytest.mark.torchrun
 def test_a_node_running_other_code_stops_both(tmp_path, image_data):
-    """Node 1 runs a stale checkout: its lab/audit.py differs by one comment."""
+    """Node 1 runs a stale checkout: its ddp_no_sync_lab/audit.py differs by one comment."""
     node0, node1 = node_folders(tmp_path, image_data)
     stale = tmp_path / "stale-checkout"
     shutil.copytree(
         REPO, stale, ignore=shutil.ignore_patterns(".git", ".venv*", "artifacts", "data", "__pycache__", "tests")
     )
-    with open(stale / "lab" / "audit.py", "a") as source:
+    with open(stale / "ddp_no_sync_lab" / "audit.py", "a") as source:
         source.write("# an edit this node alone has\n")
     results, seconds = two_nodes([node0, node1], *same_run("every"), checkouts=(REPO, stale))
     assert_both_nodes_stop(

@@ -26,8 +26,8 @@ from conftest import (
     torchrun,
     train_in_one_start,
 )
-from lab import certify, experiment, packed, records
-from lab.cli import LabError
+from ddp_no_sync_lab import certify, experiment, packed, records
+from ddp_no_sync_lab.cli import LabError
 
 CHARACTERS = 300
 TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
@@ -112,7 +112,7 @@ def test_packing_keeps_every_document_whole_and_masks_boundaries_and_padding():
 
 
 def packed_mask(tokens):
-    from lab.language import same_document
+    from ddp_no_sync_lab.language import same_document
 
     return same_document(torch.tensor([tokens]))[0, 0].int()
 
@@ -260,7 +260,7 @@ def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
     ],
 )
 def test_verify_holds_the_packing_to_what_packing_must_keep(monkeypatch, broken, refusal):
-    """verify.py packs the run's corpus again and checks it without lab/packed.py's logic: a packing that shifts
+    """verify.py packs the run's corpus again and checks it without ddp_no_sync_lab/packed.py's logic: a packing that shifts
     its targets, or loses a row's last target (a long document's rows not overlapping), is refused."""
     source = packed.load_corpus()
     sizes = packed.make_split(source, 47, 0, 2).sizes

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from conftest import copy_runs, read_json, verify
-from lab import experiment, records, tables
-from lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
+from ddp_no_sync_lab import experiment, records, tables
+from ddp_no_sync_lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
 @pytest.fixture(scope="module")

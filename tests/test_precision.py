@@ -15,7 +15,7 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from lab import precision
+from ddp_no_sync_lab import precision
 from test_nodes import assert_both_nodes_stop, node_folders, same_run, two_nodes
 from tools import synthetic_data
 

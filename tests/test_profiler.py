@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, train, verify
-from lab import records, tables
+from ddp_no_sync_lab import records, tables
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
 # each window ends in one optimizer step, with the checklist's average-witness all-reduce (in its pre-hook) and

@@ -23,7 +23,7 @@ from conftest import (
     train,
     verify,
 )
-from lab import records, resume
+from ddp_no_sync_lab import records, resume
 from test_faults import rank_pid, stop_run
 from test_nodes import node_folders, start_nodes, two_nodes
 

@@ -1,4 +1,4 @@
-"""--strategy fsdp (lab/sharded.py, docs/fsdp.md): FSDP2's shards under the same audit. The pair trained on the
+"""--strategy fsdp (ddp_no_sync_lab/sharded.py, docs/fsdp.md): FSDP2's shards under the same audit. The pair trained on the
 small image data passes verify.py with every collective's count derived from the units; FSDP's own reduction
 (torch 2.8's gloo sums) and a no_sync that does nothing, both broken beneath the lab's code, are refused; options
 FSDP has no counterpart for are refused in one line. tests/test_equivalence.py proves the updates."""
@@ -23,7 +23,7 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from lab import experiment, sharded
+from ddp_no_sync_lab import experiment, sharded
 from model import CifarCNN
 from test_nodes import node_folders, same_run, two_nodes
 

@@ -29,7 +29,7 @@ from conftest import (
     verify,
     write_png_with_a_damaged_chunk,
 )
-from lab import experiment, records, tables
+from ddp_no_sync_lab import experiment, records, tables
 from model import CLASSES
 
 COUNTS = ("optimizer_steps", *experiment.COUNTS)

@@ -13,13 +13,11 @@ GPU kernels: HTA loads them, and this script says that its GPU analyses have not
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import ArgumentParser, LabError, exit_with  # noqa: E402
-from lab.records import PROFILE_TRACE_FILE, RUN_RECORD_FILE  # noqa: E402
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
+from ddp_no_sync_lab.records import PROFILE_TRACE_FILE, RUN_RECORD_FILE
 
 SCRIPT = "hta_check.py"
 

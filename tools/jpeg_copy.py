@@ -14,7 +14,6 @@ quality whose IJG tables, as Pillow writes them, equal the file's.
 import io
 import pickle
 import shutil
-import sys
 import tarfile
 import zlib
 from collections import Counter
@@ -23,10 +22,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import ArgumentParser, LabError, exit_with, positive_int  # noqa: E402
-from lab.data import IMAGE_ERRORS, SYNTHETIC_MARKER, TORCHVISION_FOLDER  # noqa: E402
-from model import CLASSES, IMAGE_SIZE  # noqa: E402
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
+from ddp_no_sync_lab.data import IMAGE_ERRORS, SYNTHETIC_MARKER, TORCHVISION_FOLDER
+from model import CLASSES, IMAGE_SIZE
 
 QUALITY = 75  # read from the figures' copy with --read-quality
 SUBSAMPLING = "4:2:0"

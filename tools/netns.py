@@ -12,8 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import LabError  # noqa: E402
+from ddp_no_sync_lab.cli import LabError
 
 LINK_MTU = 1500  # Ethernet's; the loopback's own 64 KiB frames would not pass a small token bucket
 NAMESPACE_FILE_VARIABLE = "BENCH_NAMESPACE_FILE"

@@ -7,23 +7,21 @@ Each class has its own colour and stripe direction, under noise: a working pipel
 optimizer steps and beats the majority baseline; a broken one (shuffled labels, lost gradients) does not.
 Layouts: `image-folders` writes train/<class>/*.png and test/<class>/*.png; `torchvision` writes
 cifar-10-batches-py/ in the pickle format of the official archive (data_batch_1..5, test_batch, batches.meta).
-Either way the root holds synthetic.json (lab/data.py's SYNTHETIC_MARKER): runs on these data record that
+Either way the root holds synthetic.json (ddp_no_sync_lab/data.py's SYNTHETIC_MARKER): runs on these data record that
 they are synthetic, and verify.py's strict audit refuses them as the documented experiment.
 """
 
 import json
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.cli import ArgumentParser, LabError, exit_with, non_negative_int, positive_int  # noqa: E402
-from lab.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER  # noqa: E402
-from model import CLASSES, IMAGE_SIZE  # noqa: E402
+from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, non_negative_int, positive_int
+from ddp_no_sync_lab.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER
+from model import CLASSES, IMAGE_SIZE
 
 LAYOUTS = ("image-folders", "torchvision")
 TRAIN_BATCHES = 5

@@ -21,11 +21,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import train
+from ddp_no_sync_lab import launch
 
-import train  # noqa: E402
-from lab import launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 ADAM = sys.modules[torch.optim.AdamW.__module__.replace("adamw", "adam")]  # torch.optim.adam: its functional adam
 LOSS_BACKWARD = "(raw_loss / micro_step.loss_divisor).backward()"

@@ -10,10 +10,8 @@ and each rank's seconds and wait from the collective clock on calls of known sec
 """
 
 import json
-import sys
 from collections import Counter
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,10 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import train  # noqa: E402
-from lab import audit, cli, experiment  # noqa: E402
-from model import CifarCNN  # noqa: E402
+import train
+from ddp_no_sync_lab import audit, cli, experiment
+from model import CifarCNN
 
 BATCH, ACCUM, MICRO_BATCHES, EPOCHS = 4, 4, 8, 2
 CPU = torch.device("cpu")

@@ -15,11 +15,9 @@ in a global average).
 """
 
 import json
-import sys
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,11 +26,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import train  # noqa: E402
-from lab import audit, cli, experiment, sharded  # noqa: E402
-from lab.precision import choose_precision  # noqa: E402
-from model import MEMORY_FORMAT, CifarCNN  # noqa: E402
+import train
+from ddp_no_sync_lab import audit, cli, experiment, sharded
+from ddp_no_sync_lab.precision import choose_precision
+from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, SEED = 8, 4, 47
 BF16_IMAGE_SIZE, FLOAT_IMAGE_SIZE = 8, 16

@@ -19,11 +19,10 @@ import sitecustomize  # tests/inject, on the tests' PYTHONPATH
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import train
+from ddp_no_sync_lab import launch
 
-import train  # noqa: E402
-from lab import launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def split_runs(arguments):

@@ -11,22 +11,19 @@ and a broken per-rank normalization (each rank's own window tokens), which must 
 """
 
 import json
-import sys
 from contextlib import nullcontext
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import train  # noqa: E402
-from equivalence import compare, new_optimizer, recorder  # noqa: E402  (the image proof's, beside this one)
-from lab import audit, cli, experiment, packed  # noqa: E402
-from lab.language import ByteTransformer, TokenCrossEntropy  # noqa: E402
-from lab.precision import choose_precision  # noqa: E402
+import train
+from ddp_no_sync_lab import audit, cli, experiment, packed
+from ddp_no_sync_lab.language import ByteTransformer, TokenCrossEntropy
+from ddp_no_sync_lab.precision import choose_precision
+from equivalence import compare, new_optimizer, recorder  # the image proof's, beside this one
 
 BATCH, ACCUM, SEED, SHORT_ROWS, FULL_ROWS = 4, 4, 47, 20, 16
 CPU = torch.device("cpu")

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lab import records
-from lab.audit import EpochTrace
-from lab.cli import LabError
-from lab.launch import agree
+from ddp_no_sync_lab import records
+from ddp_no_sync_lab.audit import EpochTrace
+from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.launch import agree
 
 STATE_FILE = "resume_state-{number:06d}.pt"  # save number N
 STATE_RECORD = "resume_state-{number:06d}.json"  # written after its state: its size, SHA-256 and position

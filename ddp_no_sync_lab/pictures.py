@@ -8,7 +8,7 @@ import math
 
 from PIL import Image, ImageDraw, ImageFont
 
-from lab.experiment import COLLECTIVE_KINDS
+from ddp_no_sync_lab.experiment import COLLECTIVE_KINDS
 
 WHITE = (255, 255, 255)
 INK = (33, 33, 33)

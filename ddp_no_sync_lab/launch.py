@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lab import data, experiment, loaders, packed
-from lab.cli import ArgumentParser, LabError
-from lab.precision import choose_precision
-from lab.records import claim_output, is_replaceable_output
+from ddp_no_sync_lab import data, experiment, loaders, packed
+from ddp_no_sync_lab.cli import ArgumentParser, LabError
+from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.records import claim_output, is_replaceable_output
 
 SCRIPT = "train.py"
 # The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
@@ -188,14 +188,20 @@ def require_same(place, claims, what, remedy):
             raise LabError(f"{ranks_label(rank, node)} {what} from rank 0's: {'; '.join(differences)}; {remedy}")
 
 
-LAB_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parent
+LAB_ROOT = PACKAGE_ROOT.parent
+
+
+def hashed_code():
+    """What every node must share byte for byte: train.py, model.py, then the package's Python files at any depth."""
+    return [LAB_ROOT / "train.py", LAB_ROOT / "model.py", *sorted(PACKAGE_ROOT.rglob("*.py"))]
 
 
 def code_and_versions():
-    """What every node must run alike besides its options: the lab's code (the SHA-256 of train.py, model.py and
-    lab/*.py, in that order) and the versions of Python, torch, torchvision, CUDA and NCCL."""
+    """What every node must run alike besides its options: the lab's code (the SHA-256 of hashed_code(), each
+    file's path and bytes) and the versions of Python, torch, torchvision, CUDA and NCCL."""
     digest = hashlib.sha256()
-    for path in [LAB_ROOT / "train.py", LAB_ROOT / "model.py", *sorted((LAB_ROOT / "lab").glob("*.py"))]:
+    for path in hashed_code():
         digest.update(f"{path.relative_to(LAB_ROOT)}\n".encode() + path.read_bytes())
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None  # the build's, GPU or not
     return {
@@ -244,7 +250,7 @@ class Setup:
     group: object  # the training collectives' process group (None: the default, gloo)
     backend: str
     code: dict  # code_and_versions(), the same on every node
-    precision: object  # lab.precision.Precision
+    precision: object  # precision.Precision
     hardware: list  # every node's, distinct
     output_claim: object  # rank 0: the output's lock, held until the process ends; None elsewhere
     source: data.DataSource

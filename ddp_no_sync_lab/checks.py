@@ -8,10 +8,10 @@ import math
 
 from PIL import Image
 
-from lab import certify, experiment, resume, sharded
-from lab.data import IMAGE_ERRORS
-from lab.precision import NUMERICS
-from lab.records import (
+from ddp_no_sync_lab import certify, experiment, resume, sharded
+from ddp_no_sync_lab.data import IMAGE_ERRORS
+from ddp_no_sync_lab.precision import NUMERICS
+from ddp_no_sync_lab.records import (
     CLOCKED_SECONDS,
     HISTORY_FILE,
     RUN_FILES,

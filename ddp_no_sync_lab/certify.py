@@ -1,4 +1,4 @@
-"""verify.py's check of the document's checklist, item by item, against what the witnesses of lab/checklist.py
+"""verify.py's check of the document's checklist, item by item, against what the witnesses of checklist.py
 saw in each epoch; the strict audit's hold on every documented key; the checklist table verify.py prints.
 A refusal is one line naming the file, the epoch, the micro-batch or step, what was seen, and the item.
 """
@@ -7,10 +7,10 @@ import functools
 
 import torch
 
-from lab import experiment, packed
-from lab.cli import LabError
-from lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
-from lab.scale import loss_scale_bounds
+from ddp_no_sync_lab import experiment, packed
+from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check, is_int, is_number
+from ddp_no_sync_lab.scale import loss_scale_bounds
 
 # The document's checklist (its last section), in its order: the Romanian text and an English gloss.
 ITEMS = (
@@ -87,7 +87,7 @@ TEXT_RANK_FIELDS = ("micro_batch_tokens", "step_tokens")  # [value, count] runs 
 
 
 def check_epoch(path, number, row, config, mode, plan):
-    """Every checklist item of one epoch row as every rank's witnesses saw it (lab/checklist.py), against what
+    """Every checklist item of one epoch row as every rank's witnesses saw it (checklist.py), against what
     the run's configuration implies; a refusal names the item, the epoch, the rank, the micro-batch or step,
     and what was seen."""
     seen = row.get("checklist")
@@ -304,7 +304,7 @@ def recomputed_packing(fingerprint, torch_version, seed, world_size):
 
 def check_text_data(path, config, strict):
     """The text task: its packing recomputed here and checked by what packing must keep, independently of how
-    lab/packed.py does it: every target is the next row position's input; each part's targets are its
+    packed.py does it: every target is the next row position's input; each part's targets are its
     documents' bytes but their first, and one separator each; the run's sizes are the parts' rows. Where this
     Python or torch could not have packed the run, the strict audit refuses and the other says so in a note."""
     packing = recomputed_packing(
@@ -379,7 +379,7 @@ PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_chec
 def print_checklist(runs, config):
     """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
     print()
-    print("The document's checklist, observed (lab/checklist.py; docs/audit.md):")
+    print("The document's checklist, observed (checklist.py; docs/audit.md):")
     print("| # | item (document) | in English | " + " | ".join(runs) + " | seen by |")
     print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
     for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):

@@ -1,5 +1,5 @@
 """The text task's model and its measures (train.py --task text): a small causal byte-level transformer over
-lab/packed.py's rows, its per-token loss, evaluation in loss per token and perplexity, a greedy continuation,
+packed.py's rows, its per-token loss, evaluation in loss per token and perplexity, a greedy continuation,
 and its checkpoint.
 
     ByteTransformer   256-byte embedding (tied to the output), learned positions, 2 pre-norm blocks of width 128
@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lab import records
-from lab.experiment import IGNORE_INDEX
-from lab.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
+from ddp_no_sync_lab import records
+from ddp_no_sync_lab.experiment import IGNORE_INDEX
+from ddp_no_sync_lab.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
 
 WIDTH, HEADS, LAYERS = 128, 4, 2
 PROMPT = "The for statement"  # the report's greedy continuation starts here
@@ -72,7 +72,7 @@ class ByteTransformer(nn.Module):
 class TokenCrossEntropy(nn.Module):
     """The mean cross-entropy over the target tokens of a B x L batch (IGNORE_INDEX skipped)."""
 
-    counts_tokens = True  # lab/checklist.py's witnesses read its targets as tokens
+    counts_tokens = True  # checklist.py's witnesses read its targets as tokens
 
     def forward(self, logits, targets):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from PIL import Image, PngImagePlugin
 
-from lab import pictures
-from lab.cli import LabError
-from lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
+from ddp_no_sync_lab import pictures
+from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
 from model import CLASSES
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
@@ -296,7 +296,7 @@ def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, ru
         # What each step did (every rank's fingerprints, one small all-reduce per step) and what the ranks read.
         **trace.step_verdicts(),
         "sample_shards": trace.sample_shards,
-        # The document's checklist as the witnesses saw it (lab/checklist.py; verify.py checks each item).
+        # The document's checklist as the witnesses saw it (checklist.py; verify.py checks each item).
         "checklist": trace.checklist_summary,
         # Where this epoch resumed after a stop (micro-batch indices); the new wrapper's first broadcast is counted.
         "resumed_at": epoch.resumed_at,

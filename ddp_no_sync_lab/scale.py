@@ -1,4 +1,4 @@
-"""The loss scale of each backward, as the checklist's item 4 reads it (lab/checklist.py's witnesses): the divisor
+"""The loss scale of each backward, as the checklist's item 4 reads it (checklist.py's witnesses): the divisor
 the loop applied, read exactly at the loss, and the gradient that reached the logits fitted against the mean
 cross-entropy's own; their bounds per precision, and how a divisor is recorded in an epoch's row.
 """
@@ -8,7 +8,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from lab.experiment import IGNORE_INDEX
+from ddp_no_sync_lab.experiment import IGNORE_INDEX
 
 # Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}

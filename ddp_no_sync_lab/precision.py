@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.cli import LabError
+from ddp_no_sync_lab.cli import LabError
 
 NUMERICS = ("bf16", "fp32")  # what a run records; `auto` resolves to one of them
 PRECISIONS = ("auto", *NUMERICS)

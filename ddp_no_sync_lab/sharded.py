@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lab import audit, experiment
-from lab.cli import LabError
+from ddp_no_sync_lab import audit, experiment
+from ddp_no_sync_lab.cli import LabError
 
 # What --strategy fsdp has no counterpart for, refused by name: (option, its value under DDP's defaults, why).
 DDP_ONLY = (

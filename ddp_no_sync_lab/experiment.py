@@ -6,10 +6,10 @@ each epoch. Each fact lives here once; train.py's defaults and verify.py's stric
 import math
 from dataclasses import dataclass, replace
 
-from lab.cli import LabError
+from ddp_no_sync_lab.cli import LabError
 
-MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (lab/sharded.py)
-TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (lab/packed.py, docs/packed.md)
+MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (sharded.py)
+TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (packed.py, docs/packed.md)
 # How the text task divides a micro-batch's mean token loss before backward(): by the window's global token
 # count over its own (tokens: every token weighs the same), or by the window's length (micro-batch: the bias).
 LOSS_NORMALIZATIONS = ("tokens", "micro-batch")
@@ -414,7 +414,7 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
         "rebuild_broadcast_collectives": REBUILD_BROADCASTS * rebuilds,
         "used_map_allreduces": used_maps,
-        # lab.checklist's SUM all-reduce of the ranks' local projections, one per optimizer step.
+        # checklist.py's SUM all-reduce of the ranks' local projections, one per optimizer step.
         "witness_allreduces": sum(m.step for m in plan),
         **dict.fromkeys(FSDP_COUNTS, 0),
     }

@@ -76,7 +76,7 @@ def batches_from(loader, start):
     batches before it neither read nor draw random numbers, so those after it are the uninterrupted run's."""
     if start == 0:
         return iter(loader)
-    if hasattr(loader, "batches"):  # the tensor loader, and the text task's (lab/packed.py)
+    if hasattr(loader, "batches"):  # the tensor loader, and the text task's (packed.py)
         return loader.batches(start)
     order = list(loader.sampler)[start * loader.batch_size :]  # the PIL loader: its sampler's order, cut
     # A DataLoader's iterator draws its workers' base seed, from the global RNG unless it has a generator of its

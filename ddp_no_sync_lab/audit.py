@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lab.checklist import ChecklistTrace
-from lab.cli import LabError
-from lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
-from lab.memory import local
+from ddp_no_sync_lab.checklist import ChecklistTrace
+from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
+from ddp_no_sync_lab.memory import local
 
 
 def read_clock(device):
@@ -141,10 +141,10 @@ class CommAudit:
     broadcast_bytes: int = 0
     rebuild_broadcast_collectives: int = 0
     used_map_allreduces: int = 0
-    witness_allreduces: int = 0  # lab.checklist's, one per optimizer step: the synced gradient against the mean
-    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (lab.checklist's tap)
+    witness_allreduces: int = 0  # checklist.py's, one per optimizer step: the synced gradient against the mean
+    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (checklist.py's tap)
     wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
-    all_gathers: int = 0  # FSDP's collectives (lab/sharded.py), read from the calls
+    all_gathers: int = 0  # FSDP's collectives (sharded.py), read from the calls
     all_gather_bytes: int = 0
     reduce_scatters: int = 0
     reduce_scatter_bytes: int = 0
@@ -162,7 +162,7 @@ class CommAudit:
             self.used_map_allreduces += self.find_unused_parameters
 
     def count_handed(self, handed):
-        """The (dtype, element count) of each tensor a hook call handed to the collective (lab.checklist's tap)."""
+        """The (dtype, element count) of each tensor a hook call handed to the collective (checklist.py's tap)."""
         self.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
         self.wire_dtype = handed[-1][0] if handed else None
 
@@ -210,7 +210,7 @@ def ranks_agree(before, parameters, group, stop_requested=False):
     The maxima of the values and of their negatives give each value's maximum and minimum over the ranks: a
     fingerprint lane is agreed where they are equal. Returns a device tensor [gradients agreed, parameters
     agreed, gradients finite, parameters finite, parameters changed, a rank asked to stop], read once per epoch
-    (and where a save reads it: lab/resume.py).
+    (and where a save reads it: resume.py).
     """
     gradients, parameters_before = before
     after = fingerprint(parameters)
@@ -249,7 +249,7 @@ class AuditedDDP(DDP):
         its own BatchNorm statistics, and evaluation would mix the ranks' models (counted as DDP's are)."""
         self._distributed_broadcast_coalesced(list(self.module.buffers()), BROADCAST_BUCKET_BYTES, 0)
 
-    def full_state_dict(self):  # as lab.sharded's, which gathers its shards
+    def full_state_dict(self):  # as sharded.py's, which gathers its shards
         return self.module.state_dict()
 
     def _pre_forward(self, *inputs, **kwargs):
@@ -311,7 +311,7 @@ class EpochTrace:
     """Where one rank's epoch synchronized and stepped, what each step did, and which samples the ranks read."""
 
     saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
-    # Filled by lab.checklist's witnesses from what happened: the backwards the hook saw synchronize, the
+    # Filled by checklist.py's witnesses from what happened: the backwards the hook saw synchronize, the
     # optimizer's own step hooks, and the rest of the checklist's observations.
     sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
