@@ -31,6 +31,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import json
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -66,10 +67,17 @@ def parse_args(argv=None):
     add("--seed", type=int, default=experiment.DOCUMENTED["seed"])
     add("--expected-world-size", type=positive_int, default=experiment.DOCUMENTED["world_size"])
     add("--data-dir", type=Path, default=Path("data"), help="image folders, or torchvision's CIFAR-10 (downloaded)")
-    add("--partial-window", choices=experiment.PARTIAL_WINDOW_POLICIES,
-        help="a short last window: stop (error; the image task's default), or divide by its own length (scale)")  # fmt: skip
-    add("--loss-normalization", choices=experiment.LOSS_NORMALIZATIONS, default="tokens",
-        help="divide by the window's tokens (images: samples) over every rank, or by its length (micro-batch)")  # fmt: skip
+    add(
+        "--partial-window",
+        choices=experiment.PARTIAL_WINDOW_POLICIES,
+        help="a short last window: stop (error; the image task's default), or divide by its own length (scale)",
+    )
+    add(
+        "--loss-normalization",
+        choices=experiment.LOSS_NORMALIZATIONS,
+        default="tokens",
+        help="divide by the window's tokens (images: samples) over every rank, or by its length (micro-batch)",
+    )
     add("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA with a GPU per process")
     add("--precision", choices=PRECISIONS, default="auto", help="auto: BF16 where the device computes it natively")
     add("--gpu-backend", choices=launch.GPU_BACKENDS, default="nccl", help="gloo: CUDA ranks may share a GPU")
@@ -124,9 +132,13 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
         **{name: value for name, value in settings.items() if name != "comm_hook"},
     )
     comm_audit = audit.CommAudit(
-        world_size, group, settings["comm_hook"], settings["find_unused_parameters"], settings["static_graph"],
+        world_size,
+        group,
+        settings["comm_hook"],
+        settings["find_unused_parameters"],
+        settings["static_graph"],
         audit.CollectiveClock(device.type),
-    )  # fmt: skip
+    )
     ddp_model.comm_audit = comm_audit
     ddp_model.register_comm_hook(comm_audit, counting_allreduce_hook)
     audit.check_ddp_settings(ddp_model, settings)
@@ -142,11 +154,22 @@ def make_optimizer(parameters, device):
 # ----------------------------------------------------------------------------- training and evaluation
 
 
-def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, autocast, progress, profiler=None,
-                epoch=None, session=None):  # fmt: skip
-    """One epoch by the window plan, from epoch.micro_batch on (a resumed run starts inside it), profiled in part
-    when a WindowProfiler is given; at each window's end the session saves or stops when due. Returns this rank's
-    (loss sum, correct, count) and its EpochTrace, which the witnesses (ddp_no_sync_lab/checklist.py) fill in."""
+def train_epoch(
+    ddp_model,
+    loader,
+    plan,
+    mode,
+    optimizer,
+    criterion,
+    device,
+    autocast,
+    progress,
+    profiler=None,
+    epoch=None,
+    session=None,
+):
+    """One epoch by the window plan from epoch.micro_batch on (a resumed run starts inside it), profiled in part if
+    asked; the session saves or stops at windows' ends. Returns (loss sum, correct, count) and the EpochTrace."""
     epoch = epoch or resume.EpochState(0)
     comm_audit, trace = ddp_model.comm_audit, epoch.trace
     checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
@@ -182,18 +205,23 @@ def train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, device, aut
                 optimizer.zero_grad(set_to_none=True)
         if profiler:
             profiler.after_micro_batch(index)
-        # In place on the device: no host synchronization per micro-batch on GPU (read once per epoch). What
-        # counts: each image, or each target token (the text task's padding and boundaries count for nothing).
-        counted = targets.ne(experiment.IGNORE_INDEX).sum()
-        totals[0] += raw_loss.detach().double() * counted
-        totals[1] += logits.detach().argmax(dim=-1).eq(targets).sum()
-        totals[2] += counted
+        add_to_totals(totals, raw_loss, logits, targets)
         images += targets.size(0)
         progress.update(index + 1, images)
         epoch.micro_batch = index + 1
         if micro_step.step and session is not None:
             session.window_end(epoch, len(trace.step_positions), last=index + 1 == len(plan))
     return totals, trace
+
+
+def add_to_totals(totals, raw_loss, logits, targets):
+    """(loss sum, correct, count) in place on the device: no host synchronization per micro-batch on GPU (read once
+    per epoch). What counts: each image, or each target token (the text task's padding and boundaries count for
+    nothing)."""
+    counted = targets.ne(experiment.IGNORE_INDEX).sum()
+    totals[0] += raw_loss.detach().double() * counted
+    totals[1] += logits.detach().argmax(dim=-1).eq(targets).sum()
+    totals[2] += counted
 
 
 @torch.no_grad()
@@ -235,10 +263,24 @@ def to_device(inputs, device):
 # ----------------------------------------------------------------------------- one run
 
 
-def run(args, place):
-    setup = launch.start_up(args, place)
-    device, group = setup.device, setup.group
-    config = records.run_config(args, place, setup)
+@dataclass
+class Training:
+    """What a run trains with: its window plan, the model and its DDP (or FSDP) wrapper with the communication
+    audit, the loss, the optimizer and its schedule, and the precision's autocast."""
+
+    plan: list
+    model: nn.Module
+    ddp_model: nn.Module
+    comm_audit: audit.CommAudit
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    autocast: partial
+
+
+def make_training(args, place, setup, config):
+    """The plan, then the model (its seeded weights), its wrapper, the loss and the optimizer, in that order; the
+    configuration gains what they decided."""
     text = args.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
     plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
     if not text and args.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
@@ -246,27 +288,42 @@ def run(args, place):
     plan = plan if text else experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
 
     model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
-    model = model.to(device, memory_format=MEMORY_FORMAT)
+    model = model.to(setup.device, memory_format=MEMORY_FORMAT)
     if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/sharded.py)
-        ddp_model, comm_audit = wrap_sharded(model, device, place.world_size, group, config)
+        ddp_model, comm_audit = wrap_sharded(model, setup.device, place.world_size, setup.group, config)
     else:
-        ddp_model, comm_audit = wrap_model(model, device, place.world_size, group, experiment.ddp_settings(config))
+        settings = experiment.ddp_settings(config)
+        ddp_model, comm_audit = wrap_model(model, setup.device, place.world_size, setup.group, settings)
     criterion = language.TokenCrossEntropy() if text else nn.CrossEntropyLoss()
-    optimizer = make_optimizer(ddp_model.parameters(), device)
+    optimizer = make_optimizer(ddp_model.parameters(), setup.device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
     config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
     config.update(language.text_config(args) if text else {})
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    autocast = partial(setup.precision.autocast, device.type)
+    autocast = partial(setup.precision.autocast, setup.device.type)
+    return Training(plan, model, ddp_model, comm_audit, criterion, optimizer, scheduler, autocast)
 
+
+def run(args, place):
+    setup = launch.start_up(args, place)
+    config = records.run_config(args, place, setup)
+    training = make_training(args, place, setup, config)
+    ddp_model, comm_audit = training.ddp_model, training.comm_audit
     profiler = None
     if args.profile_windows:
-        profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(plan), device, comm_audit)
+        profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(training.plan), setup.device, comm_audit)
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
-    evaluate_on = partial(language.evaluate if text else evaluate, ddp_model, criterion=criterion, device=device,
-                          autocast=autocast, progress=progress, group=group)  # fmt: skip
-    session = resume.Session(args, place, config, device)  # a saved state to resume from, or none
+    evaluate_on = partial(
+        language.evaluate if args.task == "text" else evaluate,
+        ddp_model,
+        criterion=training.criterion,
+        device=setup.device,
+        autocast=training.autocast,
+        progress=progress,
+        group=setup.group,
+    )
+    session = resume.Session(args, place, config, setup.device)  # a saved state to resume from, or none
     if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
         return
     run_id, started_at = session.run_id or records.new_run_id(), records.utc_now()
@@ -274,34 +331,13 @@ def run(args, place):
     if is_writer:
         folder.begin(resuming=session.state is not None)
     history = []
-    session.attach(folder, (ddp_model, optimizer, scheduler), comm_audit, setup.loaders.train, history)
+    trained = (ddp_model, training.optimizer, training.scheduler)
+    session.attach(folder, trained, comm_audit, setup.loaders.train, history)
     epoch = session.restore() if session.state else resume.EpochState(1)
 
     while epoch.number <= args.epochs:
-        setup.split.train_sampler.set_epoch(epoch.number - 1)
-        progress.prefix = f"epoch {epoch.number}/{args.epochs} "
-        epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        epoch.segment_started = audit.read_clock(device)
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
-        epoch_plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1) if text else plan
-        with profiled or nullcontext(), audit.ddp_errors_explained():
-            train_epoch(
-                ddp_model, setup.loaders.train, epoch_plan, args.mode, optimizer, criterion, device, autocast, progress,
-                profiled, epoch, session,
-            )  # fmt: skip
-        validation_started = audit.read_clock(device)
-        peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        validation = evaluate_on(setup.loaders.validation, label="validation")
-        train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
-        phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
-        epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
-        epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
-        scheduler.step()
-        row = records.epoch_row(
-            epoch, args.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, group
-        )
+        row = train_and_validate(args, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id)
         history.append(row)
         if is_writer:
             print(json.dumps(row), flush=True)
@@ -314,19 +350,62 @@ def run(args, place):
     progress.prefix = ""
     test = evaluate_on(setup.loaders.test, label="test")
     weights = ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
-    if is_writer and text:
-        report, record = language.write_results(folder, args, config, test, setup.split, model, run_id, started_at)
-    elif is_writer:
-        majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
-        report, record = records.write_results(
-            folder, args, config, test[2], majority, weights, setup.source.test_images[0], test[:2],
-            run_id, started_at,
-        )  # fmt: skip
     if is_writer:
+        report, run_record = write_results(args, setup, config, training, folder, test, weights, run_id, started_at)
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
-        folder.publish({**record, "launch_id": place.job, "segments": session.segments})
+        folder.publish({**run_record, "launch_id": place.job, "segments": session.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     audit.settle_comm_hooks()
+
+
+def train_and_validate(args, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
+    """One epoch's training (from where a resumed one stopped) and validation; its history row."""
+    device, ddp_model, comm_audit = setup.device, training.ddp_model, training.comm_audit
+    setup.split.train_sampler.set_epoch(epoch.number - 1)
+    progress.prefix = f"epoch {epoch.number}/{args.epochs} "
+    epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    epoch.segment_started = audit.read_clock(device)
+    plan = training.plan
+    if args.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
+        plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1)
+    with profiled or nullcontext(), audit.ddp_errors_explained():
+        train_epoch(
+            ddp_model,
+            setup.loaders.train,
+            plan,
+            args.mode,
+            training.optimizer,
+            training.criterion,
+            device,
+            training.autocast,
+            progress,
+            profiled,
+            epoch,
+            session,
+        )
+    validation_started = audit.read_clock(device)
+    peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    validation = evaluate_on(setup.loaders.validation, label="validation")
+    train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
+    phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
+    epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
+    epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
+    training.scheduler.step()
+    return records.epoch_row(
+        epoch, args.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group
+    )
+
+
+def write_results(args, setup, config, training, folder, test, weights, run_id, started_at):
+    """The run's report and record (rank 0): the text task's, or the document's (its test results, the confusion
+    matrix, a sample image)."""
+    if args.task == "text":
+        return language.write_results(folder, args, config, test, setup.split, training.model, run_id, started_at)
+    majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
+    sample = setup.source.test_images[0]
+    return records.write_results(folder, args, config, test[2], majority, weights, sample, test[:2], run_id, started_at)
 
 
 @record

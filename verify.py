@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ddp_no_sync_lab import certify, checks, experiment, language, resume, sharded, tables
+from ddp_no_sync_lab import certify, checks, experiment, language, resume, sharded, strict_audit, tables
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
 from ddp_no_sync_lab.records import (
     CONFUSION_FILE,
@@ -74,7 +74,7 @@ def audit_run(folder, mode, record, expected_config, sizes, strict):
     except AuditError as error:
         raise AuditError(f"{error}{certify.item(10)}", error.kind) from None
     if strict:  # the documented experiment's model learned
-        certify.check_learned(folder, report)
+        strict_audit.check_learned(folder, report)
     training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
     checks.check_model(folder / MODEL_FILE, mode, record, training_forwards)
     checks.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
@@ -84,9 +84,8 @@ def audit_run(folder, mode, record, expected_config, sizes, strict):
     return history, report, profile
 
 
-def main():
-    args = parse_args()
-    artifacts = args.artifacts
+def read_runs(artifacts):
+    """Both runs' records, each described as it is read: where, when and on what it ran, a move or a leftover."""
     records = {mode: checks.read_run_record(artifacts / mode, mode) for mode in experiment.MODES}
     for mode, record in records.items():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
@@ -99,17 +98,21 @@ def main():
             print(
                 f"note: {note}; {artifacts / mode} holds run {record['run_id']}, the next train.py into it removes the rest"
             )
-    checks.compare_configs(records["every"], records["no_sync"], artifacts)
+    return records
 
-    config = records["every"]["config"]
+
+def expected_configuration(args, records):
+    """What both runs are held to: their own configuration (--expect-from-config), or the strict audit's documented
+    experiment, once the runs are shown to be it, on real data."""
+    artifacts, config = args.artifacts, records["every"]["config"]
     if args.expect_from_config:
         expected_config = config
     else:
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
-            certify.check_real_data(artifacts / mode, record)
-        certify.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
+            strict_audit.check_real_data(artifacts / mode, record)
+        strict_audit.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
         # The text task's sizes follow from the corpus (held to its packing below); its normalization is held
-        # once the audit has measured what it did (certify.check_token_normalization).
+        # once the audit has measured what it did (strict_audit.check_token_normalization).
         expected_config = experiment.DOCUMENTED
         if config.get("task") == "text":
             expected_config = {
@@ -117,10 +120,20 @@ def main():
                 **experiment.TEXT_DOCUMENTED,
                 "loss_normalization": config["loss_normalization"],
             }
+    return expected_config
+
+
+def main():
+    args = parse_args()
+    artifacts = args.artifacts
+    records = read_runs(artifacts)
+    checks.compare_configs(records["every"], records["no_sync"], artifacts)
+    config = records["every"]["config"]
+    expected_config = expected_configuration(args, records)
     text = config.get("task") == "text"
     if text:  # its packing made again here (refused in the strict audit where this Python or torch cannot)
         packing = certify.check_text_data(artifacts / "every" / RUN_RECORD_FILE, config, not args.expect_from_config)
-    platform = ", ".join(f"{key} {config.get(key)}" for key in certify.PLATFORM_CHOICES)
+    platform = ", ".join(f"{key} {config.get(key)}" for key in strict_audit.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(language.ByteTransformer() if text else CifarCNN())
     if config.get("strategy") == "fsdp":  # FSDP's units, each padded to equal shards
@@ -133,7 +146,7 @@ def main():
     for mode, (_, report, _) in runs.items() if text and packing else ():  # the test's tokens and baseline
         language.check_report_against_packing(artifacts / mode / REPORT_FILE, report, packing)
     if text and not args.expect_from_config:
-        certify.check_token_normalization(artifacts / "every" / RUN_RECORD_FILE, runs, config)
+        strict_audit.check_token_normalization(artifacts / "every" / RUN_RECORD_FILE, runs, config)
         for mode, (_, report, _) in runs.items():
             language.check_learned(artifacts / mode / REPORT_FILE, report)
     for mode, (history, _, _) in runs.items():
@@ -142,10 +155,15 @@ def main():
                 print(
                     f"{mode} resumed at epoch {row['epoch']}, micro-batch {index} (its restart's communication expected)"
                 )
+    print_results(args, runs, records, config)
+
+
+def print_results(args, runs, records, config):
+    """Once every check has held: the tables, the checklist as observed, the pictures, and the verdict."""
     tables.print_tables(runs, config)
     tables.print_witness(runs)
     certify.print_checklist(runs, config)
-    folder = args.pictures or artifacts
+    folder = args.pictures or args.artifacts
     try:
         timeline = tables.draw_pictures(folder, runs, records)
         pictures = [folder / tables.CURVES_FILE, folder / tables.COMMUNICATION_FILE] + ([timeline] if timeline else [])

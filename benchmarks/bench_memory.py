@@ -40,10 +40,33 @@ def parse_args():
 
 def run(strategy, mode, data_dir, workspace, precision):
     output = workspace / f"{strategy}-{mode}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", REPO / "train.py",
-               "--strategy", strategy, "--mode", mode, "--output", output, "--data-dir", data_dir, "--epochs", "1",
-               "--batch-size", str(BATCH), "--accum-steps", str(ACCUM), "--device", "cpu", "--precision", precision,
-               "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        REPO / "train.py",
+        "--strategy",
+        strategy,
+        "--mode",
+        mode,
+        "--output",
+        output,
+        "--data-dir",
+        data_dir,
+        "--epochs",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--accum-steps",
+        str(ACCUM),
+        "--device",
+        "cpu",
+        "--precision",
+        precision,
+        "--quiet",
+    ]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise cli.LabError(f"train.py --strategy {strategy} --mode {mode} failed: {result.stderr.strip()[-400:]}")
@@ -87,15 +110,22 @@ def main():
     image, data = pictures.bar_panels(
         "Bytes held per rank between micro-batches (2 ranks)",
         [
-            {"title": title, "y_label": "MB", "x_label": "strategy", "groups": experiment.STRATEGIES,
-             "bars": {mode: [value(by[strategy, mode]) / 1e6 for strategy in experiment.STRATEGIES]
-                      for mode in experiment.MODES}}
+            {
+                "title": title,
+                "y_label": "MB",
+                "x_label": "strategy",
+                "groups": experiment.STRATEGIES,
+                "bars": {
+                    mode: [value(by[strategy, mode]) / 1e6 for strategy in experiment.STRATEGIES]
+                    for mode in experiment.MODES
+                },
+            }
             for title, value in (
                 ("gradients (with DDP's bucket)", lambda row: row["gradients"] + row["ddp_bucket"]),
                 ("parameters", lambda row: row["parameters"]),
             )
         ],
-    )  # fmt: skip
+    )
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
         "torch": torch.__version__,

@@ -105,9 +105,11 @@ def parse_args():
     )
     parser.add_argument("--steps", type=cli.positive_int, default=3, help="optimizer steps per run (default 3)")
     parser.add_argument(
-        "--accum-steps", type=parse_accum_steps, default=parse_accum_steps(DEFAULT_ACCUM_STEPS),
+        "--accum-steps",
+        type=parse_accum_steps,
+        default=parse_accum_steps(DEFAULT_ACCUM_STEPS),
         help=f"A values (default {DEFAULT_ACCUM_STEPS})",
-    )  # fmt: skip
+    )
     parser.add_argument("--comm-hook", choices=experiment.COMM_HOOKS, default="allreduce", help="as train.py's")
     parser.add_argument("--strategy", choices=experiment.STRATEGIES, default="ddp", help="as train.py's")
     parser.add_argument(
@@ -250,12 +252,31 @@ def measure(args, workspace, nodes):
                 output = workspace / "runs" / f"{rate or 0:g}-{accum}" / f"{mode}-{index}"
                 started = time.monotonic()
                 nodes.run(
-                    ["--mode", mode, "--output", output, "--data-dir", data_folders[accum], "--epochs", 1,
-                     "--batch-size", batch, "--accum-steps", accum, "--comm-hook", args.comm_hook, "--device", "cpu",
-                     "--strategy", args.strategy,
-                     "--precision", args.precision, "--quiet"],
+                    [
+                        "--mode",
+                        mode,
+                        "--output",
+                        output,
+                        "--data-dir",
+                        data_folders[accum],
+                        "--epochs",
+                        1,
+                        "--batch-size",
+                        batch,
+                        "--accum-steps",
+                        accum,
+                        "--comm-hook",
+                        args.comm_hook,
+                        "--device",
+                        "cpu",
+                        "--strategy",
+                        args.strategy,
+                        "--precision",
+                        args.precision,
+                        "--quiet",
+                    ],
                     logs=output.with_name(f"{output.name}-logs"),
-                )  # fmt: skip
+                )
                 samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
                 chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
                 print(
@@ -340,23 +361,36 @@ def inside(args):
         "machine": machine(),
         "torch": torch.__version__,
         "link": f"tbf on a network namespace's loopback (MTU {netns.LINK_MTU}), both directions through one queue",
-        "setup": {**setup, "steps": args.steps, "repeats": args.repeats, "data": str(args.data_dir) if args.data_dir else "synthetic",
-                  "nodes": 2, "processes_per_node": 1, "threads_per_process": 1},
+        "setup": {
+            **setup,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "data": str(args.data_dir) if args.data_dir else "synthetic",
+            "nodes": 2,
+            "processes_per_node": 1,
+            "threads_per_process": 1,
+        },
         "latency_seconds_per_sync": terms[0],
         "gather_latency_seconds_per_micro_batch": terms[1],
         "wire_bytes_per_payload_byte": WIRE_BYTES_PER_PAYLOAD_BYTE,
         "error_bound": ERROR_BOUND,
-        "limited_cells": {verdict: sum(cell_verdict(row) == verdict for row in limited(table)) for verdict in ("within", "spread", "off")},
+        "limited_cells": {
+            verdict: sum(cell_verdict(row) == verdict for row in limited(table))
+            for verdict in ("within", "spread", "off")
+        },
         "fit": {"seconds_per_sync_unlimited": fit[0], "bits_per_sync": fit[1]},
         "rows": table,
         "runs": rows,
-    }  # fmt: skip
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     name = RESULT_NAMES[args.strategy, args.comm_hook]
     records.write_atomic(args.out / f"{name}.json", records.json_bytes(result))
     # The picture holds every variant measured into this folder so far (each a run of this script).
-    results = [json.loads((args.out / f"{other}.json").read_text()) for other in RESULT_NAMES.values()
-               if (args.out / f"{other}.json").is_file()]  # fmt: skip
+    results = [
+        json.loads((args.out / f"{other}.json").read_text())
+        for other in RESULT_NAMES.values()
+        if (args.out / f"{other}.json").is_file()
+    ]
     results = [result for result in results if "limited_cells" in result]  # not those of an earlier model
     image, data = draw(results)
     records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))

@@ -34,8 +34,14 @@ COLOURS = [(31, 119, 180), (227, 111, 30), (44, 160, 44), (148, 103, 189), (140,
 
 def parse_args():
     parser = cli.ArgumentParser(prog=SCRIPT, description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=cli.positive_int, nargs="+", default=[DOCUMENTED["batch_size"], 2],
-                        metavar="ROWS", help="rows per micro-batch and rank (the documented 8, and 2)")  # fmt: skip
+    parser.add_argument(
+        "--batch-sizes",
+        type=cli.positive_int,
+        nargs="+",
+        default=[DOCUMENTED["batch_size"], 2],
+        metavar="ROWS",
+        help="rows per micro-batch and rank (the documented 8, and 2)",
+    )
     parser.add_argument("--checkpoint", type=Path, help="a text run's model.pt (default: the seed's initial weights)")
     parser.add_argument("--out", type=Path, default=REPO / "artifacts" / "bench", help="where packed.json/.png go")
     return parser.parse_args()
@@ -86,35 +92,68 @@ def main():
     rows = packed.make_split(source, DOCUMENTED["seed"], 0, DOCUMENTED["world_size"]).parts["train"]
     results = {size: window_bias(model, rows, size) for size in args.batch_sizes}
     print(f"Epoch 1 of the text task's documented run (2 ranks, accum_steps 4), weights: {weights}; float32, 1 thread")
-    print("| rows per micro-batch | windows | tokens per micro-batch | tokens per window | relative error of "
-          "micro-batch normalization: min | median | max |")  # fmt: skip
+    print(
+        "| rows per micro-batch | windows | tokens per micro-batch | tokens per window | relative error of "
+        "micro-batch normalization: min | median | max |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for size, windows in results.items():
         micro = [count for window in windows for count in window["micro_batch_tokens"]]
         totals = [window["tokens"] for window in windows]
         errors = [window["relative_error"] for window in windows]
-        print(f"| {size} | {len(windows)} | {min(micro)}-{max(micro)} | {min(totals)}-{max(totals)} | "
-              f"{min(errors):.2e} | {statistics.median(errors):.2e} | {max(errors):.2e} |")  # fmt: skip
-    report = {"machine": machine("cpu"), "corpus": source.summary(), "weights": weights,
-              "configuration": DOCUMENTED, "windows": {str(size): windows for size, windows in results.items()}}  # fmt: skip
+        print(
+            f"| {size} | {len(windows)} | {min(micro)}-{max(micro)} | {min(totals)}-{max(totals)} | "
+            f"{min(errors):.2e} | {statistics.median(errors):.2e} | {max(errors):.2e} |"
+        )
+    report = {
+        "machine": machine("cpu"),
+        "corpus": source.summary(),
+        "weights": weights,
+        "configuration": DOCUMENTED,
+        "windows": {str(size): windows for size, windows in results.items()},
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     records.write_atomic(args.out / "packed.json", records.json_bytes(report))
     size = args.batch_sizes[0]
     windows = results[size]
     panels = [
-        {"title": f"tokens per micro-batch ({size} rows), rank by rank", "x_label": "micro-batch of epoch 1",
-         "y_label": "target tokens", "series": [
-             {"label": f"rank {rank}", "colour": COLOURS[rank],
-              "values": [w["micro_batch_tokens"][rank * (len(w["micro_batch_tokens"]) // 2) + i]
-                         for w in windows for i in range(len(w["micro_batch_tokens"]) // 2)]}
-             for rank in range(DOCUMENTED["world_size"])]},
-        {"title": "tokens per window, both ranks", "x_label": "window (optimizer step)", "y_label": "target tokens",
-         "series": [{"label": "window", "colour": COLOURS[2], "values": [w["tokens"] for w in windows]}]},
-        {"title": "micro-batch normalization vs tokens", "x_label": "window (optimizer step)",
-         "y_label": "relative gradient error", "series": [
-             {"label": f"{rows_} rows", "colour": COLOURS[3 + index % 2], "values": [w["relative_error"] for w in ws]}
-             for index, (rows_, ws) in enumerate(results.items())]},
-    ]  # fmt: skip
+        {
+            "title": f"tokens per micro-batch ({size} rows), rank by rank",
+            "x_label": "micro-batch of epoch 1",
+            "y_label": "target tokens",
+            "series": [
+                {
+                    "label": f"rank {rank}",
+                    "colour": COLOURS[rank],
+                    "values": [
+                        w["micro_batch_tokens"][rank * (len(w["micro_batch_tokens"]) // 2) + i]
+                        for w in windows
+                        for i in range(len(w["micro_batch_tokens"]) // 2)
+                    ],
+                }
+                for rank in range(DOCUMENTED["world_size"])
+            ],
+        },
+        {
+            "title": "tokens per window, both ranks",
+            "x_label": "window (optimizer step)",
+            "y_label": "target tokens",
+            "series": [{"label": "window", "colour": COLOURS[2], "values": [w["tokens"] for w in windows]}],
+        },
+        {
+            "title": "micro-batch normalization vs tokens",
+            "x_label": "window (optimizer step)",
+            "y_label": "relative gradient error",
+            "series": [
+                {
+                    "label": f"{rows_} rows",
+                    "colour": COLOURS[3 + index % 2],
+                    "values": [w["relative_error"] for w in ws],
+                }
+                for index, (rows_, ws) in enumerate(results.items())
+            ],
+        },
+    ]
     image, data = pictures.index_panels("Packed rows: unequal tokens, and the bias of dividing by the window", panels)
     records.write_atomic(args.out / "packed.png", records.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / 'packed.json'} and {args.out / 'packed.png'}")

@@ -266,11 +266,26 @@ def lab_run(args, loader, workspace):
     """One no_sync epoch of train.py with this loader: whole-process seconds, and its history and config."""
     output = workspace / loader
     _, seconds = torchrun(
-        args.nproc_per_node, REPO / "train.py", "--mode", "no_sync", "--epochs", "1", "--output", output,
-        "--data-dir", args.data_dir.resolve(), "--device", args.device, "--precision", args.precision,
-        "--loader", loader, "--quiet",
-        "--expected-world-size", args.nproc_per_node,
-    )  # fmt: skip
+        args.nproc_per_node,
+        REPO / "train.py",
+        "--mode",
+        "no_sync",
+        "--epochs",
+        "1",
+        "--output",
+        output,
+        "--data-dir",
+        args.data_dir.resolve(),
+        "--device",
+        args.device,
+        "--precision",
+        args.precision,
+        "--loader",
+        loader,
+        "--quiet",
+        "--expected-world-size",
+        args.nproc_per_node,
+    )
     (row,) = json.loads((output / records.HISTORY_FILE).read_text())
     config = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]
     micro_batches = experiment.micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
@@ -350,9 +365,18 @@ def main():
         if data.is_image_folder_tree(args.data_dir):
             cache_seconds = time.perf_counter() - started
         result, _ = torchrun(
-            args.nproc_per_node, Path(__file__).resolve(), "--worker", "--device", args.device,
-            "--precision", args.precision, "--windows", args.windows, "--repeats", args.repeats,
-        )  # fmt: skip
+            args.nproc_per_node,
+            Path(__file__).resolve(),
+            "--worker",
+            "--device",
+            args.device,
+            "--precision",
+            args.precision,
+            "--windows",
+            args.windows,
+            "--repeats",
+            args.repeats,
+        )
         measured = json.loads(result.stdout.strip().splitlines()[-1])
         floor = measured["seconds_per_micro_batch"]
         with tempfile.TemporaryDirectory(prefix="bench-speed-") as workspace:

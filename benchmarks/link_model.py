@@ -298,9 +298,14 @@ def main():
     args = parser.parse_args()
     gradient_bytes = args.gradient_mb * 1e6
     sync, steps, speedup = calculate(
-        gradient_bytes, args.compute_ms / 1e3, args.rate_mbit, args.sync_latency_ms / 1e3, args.world_size,
-        args.accum_steps, args.shared_link,
-    )  # fmt: skip
+        gradient_bytes,
+        args.compute_ms / 1e3,
+        args.rate_mbit,
+        args.sync_latency_ms / 1e3,
+        args.world_size,
+        args.accum_steps,
+        args.shared_link,
+    )
     print(
         f"assumed: ring all-reduce, each rank sending 2(N-1)/N of {args.gradient_mb:g} MB per sync; "
         f"{'one half-duplex link shared by all ranks' if args.shared_link else 'full-duplex links, one per rank'}; "

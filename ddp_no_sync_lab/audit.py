@@ -9,6 +9,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -203,13 +204,27 @@ def before_step(parameters):
     return fingerprint(p.grad for p in parameters if p.grad is not None), fingerprint(parameters)
 
 
+class Verdicts(NamedTuple):
+    """ranks_agree's verdicts on one optimizer step, in the order of its device tensor."""
+
+    gradients_agreed: bool
+    parameters_agreed: bool
+    gradients_finite: bool
+    parameters_finite: bool
+    parameters_changed: bool
+    stop_requested: bool
+
+
+STOP_REQUESTED = Verdicts._fields.index("stop_requested")  # read on the device where a save reads the request
+
+
 def ranks_agree(before, parameters, group, stop_requested=False):
     """One small all-reduce after optimizer.step(): did every rank step on the same gradients, end with the same
     parameters, hold only finite values, did the step change its parameters, and does a rank ask to stop?
 
     The maxima of the values and of their negatives give each value's maximum and minimum over the ranks: a
     fingerprint lane is agreed where they are equal. Returns a device tensor [gradients agreed, parameters
-    agreed, gradients finite, parameters finite, parameters changed, a rank asked to stop], read once per epoch
+    agreed, gradients finite, parameters finite, parameters changed, a rank asked to stop] (Verdicts), read once per epoch
     (and where a save reads it: resume.py).
     """
     gradients, parameters_before = before
@@ -319,31 +334,35 @@ class EpochTrace:
     checklist_summary: dict = None  # the epoch's observations, read once at its end (Witness.end_epoch)
     replicated: bool = True  # DDP's replicas; FSDP's shards (set by the witness) have no copies to compare
     held_bytes: list = field(default_factory=lambda: [0, 0])  # most gradient, parameter bytes between micro-batches
-    agreement: list = field(default_factory=list)  # per step, on the device: ranks_agree's five verdicts
+    agreement: list = field(default_factory=list)  # per step, on the device: ranks_agree's Verdicts
     sample_shards: dict = field(default_factory=dict)  # shard_coverage's, once the epoch is over
 
     def step_verdicts(self):
         """From ranks_agree's verdicts (one host read): the steps at which the ranks agreed and the first at which
         they did not, the first step with non-finite values, and the steps that changed the parameters."""
-        verdicts = torch.stack(self.agreement).tolist() if self.agreement else []
+        verdicts = [Verdicts(*verdict) for verdict in torch.stack(self.agreement).tolist()] if self.agreement else []
         first_disagreement = first_nonfinite = None
         for step, verdict in enumerate(verdicts, 1):
-            gradients_agreed, parameters_agreed, gradients_finite, parameters_finite = verdict[:4]
             nonfinite = [
-                name for name, ok in (("gradients", gradients_finite), ("parameters", parameters_finite)) if not ok
+                name
+                for name, ok in (("gradients", verdict.gradients_finite), ("parameters", verdict.parameters_finite))
+                if not ok
             ]
             differed = [
-                name for name, ok in (("gradients", gradients_agreed), ("parameters", parameters_agreed)) if not ok
+                name
+                for name, ok in (("gradients", verdict.gradients_agreed), ("parameters", verdict.parameters_agreed))
+                if not ok
             ]
             if nonfinite and first_nonfinite is None:
                 first_nonfinite = {"optimizer_step": step, "in": nonfinite}
             if differed and first_disagreement is None and self.replicated:
                 first_disagreement = {"optimizer_step": step, "differed": differed}
+        agreed = sum(verdict.gradients_agreed and verdict.parameters_agreed for verdict in verdicts)
         return {
-            "steps_with_ranks_agreed": sum(all(verdict[:2]) for verdict in verdicts) if self.replicated else None,
+            "steps_with_ranks_agreed": agreed if self.replicated else None,
             "first_rank_disagreement": first_disagreement,
             "first_nonfinite_step": first_nonfinite,
-            "steps_that_changed_parameters": sum(bool(verdict[4]) for verdict in verdicts),
+            "steps_that_changed_parameters": sum(verdict.parameters_changed for verdict in verdicts),
         }
 
 

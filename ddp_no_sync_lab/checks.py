@@ -170,9 +170,13 @@ def check_memory_fields(path, number, row, config):
     for valid, name, wanted, value in (
         (is_int(saved) and saved > 0, "saved_activation_bytes", "a positive whole number", saved),
         (is_int(peak) and peak > 0 if on_cuda else peak is None, "peak_allocated_bytes", peak_wanted, peak),
-        (isinstance(held, dict) and sorted(held) == ["gradients", "parameters"] and all(map(is_int, held.values())),
-         "held_bytes", "whole numbers of gradients and parameters", held),
-    ):  # fmt: skip
+        (
+            isinstance(held, dict) and sorted(held) == ["gradients", "parameters"] and all(map(is_int, held.values())),
+            "held_bytes",
+            "whole numbers of gradients and parameters",
+            held,
+        ),
+    ):
         check(valid, path, f"epoch row {number}: {name} must be {wanted}, got {value!r}")
 
 

@@ -57,7 +57,7 @@ TEXT_DOCUMENTED = {
     **{key: DOCUMENTED[key] for key in ("world_size", "accum_steps", "seed", "learning_rate", "weight_decay")},
     **{"task": "text", "batch_size": 8, "epochs": 8, "partial_window": "scale", "loss_normalization": "tokens"},
     **{"augmentation": "none", **DDP_DEFAULTS},
-}  # fmt: skip
+}
 
 
 def documented(task):  # train.py's defaults for the task, strict verify's hold
@@ -76,8 +76,14 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for bu
 REBUILD_BROADCASTS = 2
 # The kinds of collective the profile tells apart in training: DDP's gradient all-reduce, the lab's all-reduce of
 # the ranks' fingerprints after each step, the checklist's of the local projections before it, the broadcasts, FSDP's.
-COLLECTIVE_KINDS = ("gradient all-reduce", "rank-agreement all-reduce", "average-witness all-reduce", "broadcast",
-                    "all-gather", "reduce-scatter")  # fmt: skip
+COLLECTIVE_KINDS = (
+    "gradient all-reduce",
+    "rank-agreement all-reduce",
+    "average-witness all-reduce",
+    "broadcast",
+    "all-gather",
+    "reduce-scatter",
+)
 FSDP_COUNTS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes")  # DDP's: none
 # What the audit counts per rank and epoch (train.py's history rows; expected_epoch_counts gives each exactly).
 COUNTS = (

@@ -147,8 +147,14 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
         "run_id": run_id,
         "config": config,
     }
-    checkpoint = {"model": model.state_dict(), "task": "text", "seed": args.seed, "run_id": run_id,
-                  "mode": args.mode, "precision": config["precision"]}  # fmt: skip
+    checkpoint = {
+        "model": model.state_dict(),
+        "task": "text",
+        "seed": args.seed,
+        "run_id": run_id,
+        "mode": args.mode,
+        "precision": config["precision"],
+    }
     folder.write(records.MODEL_FILE, records.torch_bytes(checkpoint))
     folder.write(records.REPORT_FILE, records.json_bytes(report))
     return report, records.run_record(args, config, run_id, started_at, data_dir=CORPUS)
@@ -188,8 +194,12 @@ def check_report_against_packing(path, report, packing):
     """The report against the split packed again (certify.check_text_data): its test evaluation took every test
     token once, and its baseline is the one these parts give."""
     tokens = int(packing.parts["test"].tokens.sum())
-    records.check(report["test_tokens"] == tokens, path, f"its test took {report['test_tokens']} target tokens, the "
-                  f"test part has {tokens}: the evaluation missed or repeated rows")  # fmt: skip
+    records.check(
+        report["test_tokens"] == tokens,
+        path,
+        f"its test took {report['test_tokens']} target tokens, the "
+        f"test part has {tokens}: the evaluation missed or repeated rows",
+    )
     baseline = unigram_loss(packing.parts["train"].targets, packing.parts["test"].targets)
     same = abs(report["baseline_loss"] - baseline) <= 1e-12 * baseline  # summed in another order on other CPUs
     records.check(same, path, f"baseline_loss {report['baseline_loss']} is not the packing's {baseline}")

@@ -244,9 +244,15 @@ def bar_panels(title, panels, columns=2):
         top_value = max(max(values) for values in panel["bars"].values())
         groups = list(enumerate(panel["groups"], start=1)) if "groups" in panel else None  # named, not epochs
         axes = Axes(
-            image, box, (0.5, epochs + 0.5), nice_ticks(0, top_value * 1.08), panel["title"],
-            panel.get("x_label", "epoch"), panel["y_label"], groups,
-        )  # fmt: skip
+            image,
+            box,
+            (0.5, epochs + 0.5),
+            nice_ticks(0, top_value * 1.08),
+            panel["title"],
+            panel.get("x_label", "epoch"),
+            panel["y_label"],
+            groups,
+        )
         bar_width = (axes.x(1) - axes.x(0)) * 0.8 / len(modes)
         drawn = {}
         for index, mode in enumerate(modes):
@@ -273,12 +279,26 @@ def agreement_image(title, points, bound, caption):
     centred_text(draw, (width / 2, 20), title, font(18))
     values = [point[key] for point in points for key in ("predicted", "measured")]
     ticks = nice_ticks(min(values) / (1 + bound), max(values) * (1 + bound), count=8)
-    axes = Axes(image, box, (ticks[0], ticks[-1]), ticks, f"the diagonal: exact; shaded: within {bound:.0%}",
-                "predicted", "measured", x_ticks=[(tick, tick_label(tick)) for tick in ticks])  # fmt: skip
+    axes = Axes(
+        image,
+        box,
+        (ticks[0], ticks[-1]),
+        ticks,
+        f"the diagonal: exact; shaded: within {bound:.0%}",
+        "predicted",
+        "measured",
+        x_ticks=[(tick, tick_label(tick)) for tick in ticks],
+    )
     low, high = ticks[0], ticks[-1]
     wide = 1 + bound  # the band between y = x * wide and y = x / wide, cut to the square of the axes
-    band = [(low, low), (low, min(low * wide, high)), (high / wide, high), (high, high), (high, high / wide),
-            (min(low * wide, high), low)]  # fmt: skip
+    band = [
+        (low, low),
+        (low, min(low * wide, high)),
+        (high / wide, high),
+        (high, high),
+        (high, high / wide),
+        (min(low * wide, high), low),
+    ]
     draw.polygon([(axes.x(x), axes.y(y)) for x, y in band], fill=GRID)
     draw.line((axes.x(low), axes.y(low), axes.x(high), axes.y(high)), fill=GRID_DARK, width=2)
     draw.rectangle(box, outline=INK)
@@ -390,8 +410,16 @@ def index_panels(title, panels):
         values = [value for series in panel["series"] for value in series["values"]]
         count = max(len(series["values"]) for series in panel["series"])
         x_ticks = [(tick, tick_label(tick)) for tick in nice_ticks(0, count - 1) if tick <= count - 1]
-        axes = Axes(image, box, (-0.5, count - 0.5), nice_ticks(min(values), max(values)), panel["title"],
-                    panel["x_label"], panel["y_label"], x_ticks)  # fmt: skip
+        axes = Axes(
+            image,
+            box,
+            (-0.5, count - 0.5),
+            nice_ticks(min(values), max(values)),
+            panel["title"],
+            panel["x_label"],
+            panel["y_label"],
+            x_ticks,
+        )
         drawn = []
         for series in panel["series"]:
             points = [(axes.x(index), axes.y(value)) for index, value in enumerate(series["values"])]

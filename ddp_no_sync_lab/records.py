@@ -342,8 +342,14 @@ def write_results(folder, args, config, confusion, majority, weights, test_image
 
 def run_record(args, config, run_id, started_at, data_dir):
     """run.json's content, published last (RunFolder.publish): it makes the folder's other files the run."""
-    return {"run_id": run_id, "mode": args.mode, "config": config, "data_dir": data_dir, "started_at": started_at,
-            "finished_at": utc_now()}  # fmt: skip
+    return {
+        "run_id": run_id,
+        "mode": args.mode,
+        "config": config,
+        "data_dir": data_dir,
+        "started_at": started_at,
+        "finished_at": utc_now(),
+    }
 
 
 def top_confusions(matrix, limit=5):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_no_sync_lab import records
-from ddp_no_sync_lab.audit import EpochTrace
+from ddp_no_sync_lab.audit import STOP_REQUESTED, EpochTrace
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.launch import agree
 
@@ -185,8 +185,11 @@ class Session:
                 return None
             published = records.publish_interrupted(args.output)  # a complete run is never lost or retrained
             if published:
-                print(f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
-                      f"{args.output}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
+                    f"{args.output}",
+                    file=sys.stderr,
+                )
             if not (args.resume or restarted.item()):
                 return None
             folder = unfinished_with_state(args.output)
@@ -279,7 +282,7 @@ class Session:
             return
         due = bool(self.every_windows) and window % self.every_windows == 0
         readable = due or self.device.type == "cpu"  # on GPUs a read here would stall the device
-        stop = readable and bool(epoch.trace.agreement[-1][5])
+        stop = readable and bool(epoch.trace.agreement[-1][STOP_REQUESTED])
         if due or stop:
             self.save(epoch)
         if stop:

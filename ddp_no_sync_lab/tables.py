@@ -132,25 +132,35 @@ def print_text_tables(runs, config):
         micro = [value for rank in ranks for value in from_runs(rank["micro_batch_tokens"])]
         window = [value for rank in ranks for value in from_runs(rank["step_tokens"])]
         weights = [weight for row in history for weight in token_weights(row, config)]
-        print(f"| {mode} | {min(micro)}-{max(micro)} | {min(window)}-{max(window)} | "
-              f"{min(weights):.4f}x-{max(weights):.4f}x |")  # fmt: skip
+        print(
+            f"| {mode} | {min(micro)}-{max(micro)} | {min(window)}-{max(window)} | "
+            f"{min(weights):.4f}x-{max(weights):.4f}x |"
+        )
     print()
-    print("Collectives per rank by kind, totals (the audit's counts; no collective counts the window's tokens: every "
-          "rank takes them from the packing):")  # fmt: skip
-    print("| mode | gradient all-reduces (hook calls) | rank-agreement all-reduces | average-witness all-reduces "
-          "| broadcasts |")  # fmt: skip
+    print(
+        "Collectives per rank by kind, totals (the audit's counts; no collective counts the window's tokens: every "
+        "rank takes them from the packing):"
+    )
+    print(
+        "| mode | gradient all-reduces (hook calls) | rank-agreement all-reduces | average-witness all-reduces "
+        "| broadcasts |"
+    )
     print("|---|---:|---:|---:|---:|")
     for mode, (history, _, _) in runs.items():
         broadcasts = total(history, "buffer_broadcast_collectives") + total(history, "rebuild_broadcast_collectives")
-        print(f"| {mode} | {total(history, 'sync_bucket_calls')} | {total(history, 'steps_with_ranks_agreed')} | "
-              f"{total(history, 'witness_allreduces')} | {broadcasts} |")  # fmt: skip
+        print(
+            f"| {mode} | {total(history, 'sync_bucket_calls')} | {total(history, 'steps_with_ranks_agreed')} | "
+            f"{total(history, 'witness_allreduces')} | {broadcasts} |"
+        )
     print()
     print("| mode | test loss per token | perplexity | bits per byte | next-byte accuracy | unigram baseline loss |")
     print("|---|---:|---:|---:|---:|---:|")
     for mode, (_, report, _) in runs.items():
-        print(f"| {mode} | {report['model_test_loss']:.4f} | {report['model_test_perplexity']:.2f} | "
-              f"{report['model_test_bits_per_byte']:.3f} | {report['model_test_accuracy']:.4f} | "
-              f"{report['baseline_loss']:.4f} |")  # fmt: skip
+        print(
+            f"| {mode} | {report['model_test_loss']:.4f} | {report['model_test_perplexity']:.2f} | "
+            f"{report['model_test_bits_per_byte']:.3f} | {report['model_test_accuracy']:.4f} | "
+            f"{report['baseline_loss']:.4f} |"
+        )
     for mode, (_, report, _) in runs.items():
         continuation = report["continuation"]
         print(f"{mode}: {continuation['prompt']!r} -> {continuation['greedy']!r}")

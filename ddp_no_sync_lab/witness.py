@@ -220,74 +220,81 @@ def check_profile(folder, record, history):
         path,
         f"expected one summary per rank, ranks 0 to {config['world_size'] - 1}",
     )
-    first, stop = span
-    steps = in_range(history[0]["optimizer_step_positions"], first, stop)
-    syncs = in_range(history[0]["gradient_sync_positions"], first, stop)
-    where = f"epoch 1, micro-batches {first}-{stop - 1}"
+    steps = in_range(history[0]["optimizer_step_positions"], *span)
+    syncs = in_range(history[0]["gradient_sync_positions"], *span)
     for summary in ranks:
-        rank = summary["rank"]
-        audit, calls, executions = (summary.get(key) for key in ("audit", "calls", "executions"))
-        check(
-            all(isinstance(part, dict) for part in (audit, calls, executions))
-            and all(is_int(audit.get(key)) for key in COUNTS)
-            and all(is_int(calls.get(name)) for name in COLLECTIVE_EVENTS)
-            and all(is_int(executions.get(names[0])) for names in EXECUTION_GROUPS.values()),
-            path,
-            f"rank {rank}: calls, executions and audit must hold whole-number counts",
-        )
-        check_profile_spans(path, rank, summary)
-        labelled = sorted(micro_batch[0] for micro_batch in summary["micro_batches"])
-        check(
-            labelled == list(range(first, stop)),
-            path,
-            f"rank {rank}: the profiled micro-batches are labelled {labelled}, not once each {first} to {stop - 1} "
-            f"(device-side copies of the labels counted too?)",
-        )
-        check(
-            summary.get("optimizer_steps") == steps,
-            path,
-            f"rank {rank}: the profiler saw {summary.get('optimizer_steps')} optimizer steps in {where}, the step hooks "
-            f"recorded {steps} there: the two witnesses disagree",
-        )
-        check(
-            audit["gradient_syncs"] == syncs,
-            path,
-            f"rank {rank}: the audit counted {audit['gradient_syncs']} gradient syncs in {where}, the history's "
-            f"positions put {syncs} there",
-        )
-        expected = {
-            "c10d::allreduce_": (
-                audit["sync_bucket_calls"] + audit["used_map_allreduces"] + steps + audit["witness_allreduces"],
-                f"{audit['sync_bucket_calls']} hook calls + {audit['used_map_allreduces']} used-parameter-map "
-                f"all-reduces + {steps} rank-agreement all-reduces + {audit['witness_allreduces']} average-witness "
-                f"all-reduces",
-            ),
-            "c10d::broadcast_": (
-                audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
-                f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} bucket-rebuild collectives",
-            ),
-            "c10d::_allgather_base_": (audit["all_gathers"], f"{audit['all_gathers']} FSDP all-gathers"),
-            "c10d::_reduce_scatter_base_": (
-                audit["reduce_scatters"],
-                f"{audit['reduce_scatters']} FSDP reduce-scatters",
-            ),
-        }
-        for name, (count, made_of) in expected.items():
-            check(
-                calls[name] == count,
-                path,
-                f"rank {rank}: the profiler saw {calls[name]} {name} calls in {where}, the audit counted {made_of} = "
-                f"{count}: the audit and its witness disagree",
-            )
-        for names in EXECUTION_GROUPS.values() if config.get("backend") == "gloo" else ():
-            called = sum(calls[name] for name in names)
-            check(
-                executions[names[0]] == called,
-                path,
-                f"rank {rank}: {called} {' and '.join(names)} calls but {executions[names[0]]} executions on gloo's "
-                f"threads in {where}",
-            )
+        check_rank_profile(path, summary, config, span, steps, syncs)
     return profile
+
+
+def check_rank_profile(path, summary, config, span, steps, syncs):
+    """One rank's profiler summary against the audit over the profiled micro-batches `span` of epoch 1, where the
+    step hooks recorded `steps` optimizer steps and the history's positions put `syncs` gradient syncs."""
+    rank, (first, stop) = summary["rank"], span
+    where = f"epoch 1, micro-batches {first}-{stop - 1}"
+    audit, calls, executions = (summary.get(key) for key in ("audit", "calls", "executions"))
+    check(
+        all(isinstance(part, dict) for part in (audit, calls, executions))
+        and all(is_int(audit.get(key)) for key in COUNTS)
+        and all(is_int(calls.get(name)) for name in COLLECTIVE_EVENTS)
+        and all(is_int(executions.get(names[0])) for names in EXECUTION_GROUPS.values()),
+        path,
+        f"rank {rank}: calls, executions and audit must hold whole-number counts",
+    )
+    check_profile_spans(path, rank, summary)
+    labelled = sorted(micro_batch[0] for micro_batch in summary["micro_batches"])
+    check(
+        labelled == list(range(first, stop)),
+        path,
+        f"rank {rank}: the profiled micro-batches are labelled {labelled}, not once each {first} to {stop - 1} "
+        f"(device-side copies of the labels counted too?)",
+    )
+    check(
+        summary.get("optimizer_steps") == steps,
+        path,
+        f"rank {rank}: the profiler saw {summary.get('optimizer_steps')} optimizer steps in {where}, the step hooks "
+        f"recorded {steps} there: the two witnesses disagree",
+    )
+    check(
+        audit["gradient_syncs"] == syncs,
+        path,
+        f"rank {rank}: the audit counted {audit['gradient_syncs']} gradient syncs in {where}, the history's "
+        f"positions put {syncs} there",
+    )
+    for name, (count, made_of) in expected_calls(audit, steps).items():
+        check(
+            calls[name] == count,
+            path,
+            f"rank {rank}: the profiler saw {calls[name]} {name} calls in {where}, the audit counted {made_of} = "
+            f"{count}: the audit and its witness disagree",
+        )
+    for names in EXECUTION_GROUPS.values() if config.get("backend") == "gloo" else ():
+        called = sum(calls[name] for name in names)
+        check(
+            executions[names[0]] == called,
+            path,
+            f"rank {rank}: {called} {' and '.join(names)} calls but {executions[names[0]]} executions on gloo's "
+            f"threads in {where}",
+        )
+
+
+def expected_calls(audit, steps):
+    """Per c10d event, the calls the audit's counts make (and what they are made of, for the refusal)."""
+    return {
+        "c10d::allreduce_": (
+            audit["sync_bucket_calls"] + audit["used_map_allreduces"] + steps + audit["witness_allreduces"],
+            f"{audit['sync_bucket_calls']} hook calls + {audit['used_map_allreduces']} used-parameter-map "
+            f"all-reduces + {steps} rank-agreement all-reduces + {audit['witness_allreduces']} average-witness "
+            f"all-reduces",
+        ),
+        "c10d::broadcast_": (
+            audit["buffer_broadcast_collectives"] + audit["rebuild_broadcast_collectives"],
+            f"{audit['buffer_broadcast_collectives']} buffer-broadcast + {audit['rebuild_broadcast_collectives']} "
+            f"bucket-rebuild collectives",
+        ),
+        "c10d::_allgather_base_": (audit["all_gathers"], f"{audit['all_gathers']} FSDP all-gathers"),
+        "c10d::_reduce_scatter_base_": (audit["reduce_scatters"], f"{audit['reduce_scatters']} FSDP reduce-scatters"),
+    }
 
 
 OPTIMIZER_STEP_EVENT = "Optimizer.step#"  # torch.optim's record_function around each step()

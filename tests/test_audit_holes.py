@@ -27,7 +27,7 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from ddp_no_sync_lab import audit, certify, experiment, launch, records, witness
+from ddp_no_sync_lab import audit, experiment, launch, records, strict_audit, witness
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -134,8 +134,20 @@ FAULTS = {
 def faulty_runs(tmp_path_factory, image_data):
     """Every fault's run, in one torchrun start."""
     out = tmp_path_factory.mktemp("faults")
-    runs = [[*injections, "--mode", "every", "--output", out / fault / "every", "--data-dir", image_data, *SMALL_RUN,
-             "--quiet"] for fault, injections in FAULTS.items()]  # fmt: skip
+    runs = [
+        [
+            *injections,
+            "--mode",
+            "every",
+            "--output",
+            out / fault / "every",
+            "--data-dir",
+            image_data,
+            *SMALL_RUN,
+            "--quiet",
+        ]
+        for fault, injections in FAULTS.items()
+    ]
     train_in_one_start(out / "logs", *runs)
     return out
 
@@ -225,9 +237,9 @@ def documented_record(synthetic):
 
 
 def test_the_strict_audit_refuses_synthetic_data(tmp_path):
-    certify.check_real_data(tmp_path, documented_record(False))
+    strict_audit.check_real_data(tmp_path, documented_record(False))
     with pytest.raises(records.AuditError) as caught:
-        certify.check_real_data(tmp_path, documented_record(True))
+        strict_audit.check_real_data(tmp_path, documented_record(True))
     assert str(caught.value) == (
         f"{tmp_path}/run.json: the run trained on synthetic data (tools/synthetic_data.py wrote data/synthetic), not "
         "CIFAR-10: run the documented experiment on CIFAR-10, or audit these runs with --expect-from-config"
@@ -237,12 +249,12 @@ def test_the_strict_audit_refuses_synthetic_data(tmp_path):
 def test_the_strict_audit_refuses_a_model_that_did_not_learn(tmp_path):
     report = {"model_test_accuracy": 0.1003, "baseline_accuracy": 0.1}
     with pytest.raises(records.AuditError) as caught:
-        certify.check_learned(tmp_path, report)
+        strict_audit.check_learned(tmp_path, report)
     assert str(caught.value) == (
         f"{tmp_path}/report.json: test accuracy 0.1003 is below 0.5 (the majority baseline is 0.1000): the model "
         "did not learn"
     )
-    certify.check_learned(tmp_path, {**report, "model_test_accuracy": 0.7063})
+    strict_audit.check_learned(tmp_path, {**report, "model_test_accuracy": 0.7063})
 
 
 def test_runs_on_synthetic_data_say_so(lab_runs):

@@ -31,9 +31,20 @@ def slow_link_rows():
     """2 steps of A = 4: c = 0.25 s per micro-batch; each sync's link time 0.01 s unlimited and 0.2 s on the slow
     link, where the ranks also wait 0.05 s for one another at each sync."""
     return [
-        {"rate_mbit": None, "accum_steps": 4, "runs": {"every": run(8, 2, (2.08, 0.08, 0.08, 0, 0, 0)), "no_sync": run(2, 2, (2.02, 0.02, 0.02, 0, 0, 0))}},
-        {"rate_mbit": 50, "accum_steps": 4, "runs": {"every": run(8, 2, (4.0, 2.0, 2.0, 0.4, 0, 0)), "no_sync": run(2, 2, (2.5, 0.5, 0.5, 0.1, 0, 0))}},
-    ]  # fmt: skip
+        {
+            "rate_mbit": None,
+            "accum_steps": 4,
+            "runs": {
+                "every": run(8, 2, (2.08, 0.08, 0.08, 0, 0, 0)),
+                "no_sync": run(2, 2, (2.02, 0.02, 0.02, 0, 0, 0)),
+            },
+        },
+        {
+            "rate_mbit": 50,
+            "accum_steps": 4,
+            "runs": {"every": run(8, 2, (4.0, 2.0, 2.0, 0.4, 0, 0)), "no_sync": run(2, 2, (2.5, 0.5, 0.5, 0.1, 0, 0))},
+        },
+    ]
 
 
 def test_the_model_predicts_the_link_and_takes_the_rest_from_each_runs_own_clock():
@@ -90,13 +101,23 @@ def test_under_fsdp_the_model_adds_the_all_gathers_to_every_micro_batch():
     micro-batch all-gathers both ranks' shards, in both modes: L_g from the unlimited runs, G / R more on a link."""
     fsdp = {"allreduce_bytes": 0}
     rows = [
-        {"rate_mbit": None, "accum_steps": 4, "runs": {
-            "every": run(8, 2, (2.24, 0.24, 0.08, 0, 0.16, 0), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
-            "no_sync": run(2, 2, (2.18, 0.18, 0.02, 0, 0.16, 0), **fsdp, reduce_scatter_bytes=2 * 1_000_000)}},
-        {"rate_mbit": 50, "accum_steps": 4, "runs": {
-            "every": run(8, 2, (6.0, 4.0, 2.0, 0.4, 2.0, 0.4), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
-            "no_sync": run(2, 2, (4.5, 2.5, 0.5, 0.1, 2.0, 0.4), **fsdp, reduce_scatter_bytes=2 * 1_000_000)}},
-    ]  # fmt: skip
+        {
+            "rate_mbit": None,
+            "accum_steps": 4,
+            "runs": {
+                "every": run(8, 2, (2.24, 0.24, 0.08, 0, 0.16, 0), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
+                "no_sync": run(2, 2, (2.18, 0.18, 0.02, 0, 0.16, 0), **fsdp, reduce_scatter_bytes=2 * 1_000_000),
+            },
+        },
+        {
+            "rate_mbit": 50,
+            "accum_steps": 4,
+            "runs": {
+                "every": run(8, 2, (6.0, 4.0, 2.0, 0.4, 2.0, 0.4), **fsdp, reduce_scatter_bytes=8 * 1_000_000),
+                "no_sync": run(2, 2, (4.5, 2.5, 0.5, 0.1, 2.0, 0.4), **fsdp, reduce_scatter_bytes=2 * 1_000_000),
+            },
+        },
+    ]
     (latency, gather_latency), table = link_model.analyse(rows, gathered_bytes=500_000)
     assert latency == pytest.approx(0.01) and gather_latency == pytest.approx(0.32 / 16)
     slow = table[1]
@@ -121,9 +142,19 @@ def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_rank
     assert link_model.ring_wire_bits(1e6, 8, shared_link=False) == pytest.approx(2 * 7 / 8 * 1e6 * 8 * FRAMING)
     assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * FRAMING)
     result = run_python(
-        "benchmarks/link_model.py", "--gradient-mb", "1", "--compute-ms", "250", "--rate-mbit", "50",
-        "--sync-latency-ms", "10", "--accum-steps", "4", "--shared-link",
-    )  # fmt: skip
+        "benchmarks/link_model.py",
+        "--gradient-mb",
+        "1",
+        "--compute-ms",
+        "250",
+        "--rate-mbit",
+        "50",
+        "--sync-latency-ms",
+        "10",
+        "--accum-steps",
+        "4",
+        "--shared-link",
+    )
     assert result.returncode == 0, result.stderr
     assert f"| every | {steps['every']:.3f} |" in result.stdout
     assert result.stdout.splitlines()[-1] == f"no_sync: {speedup:.2f}x faster per optimizer step (at most A = 4x)"
@@ -179,9 +210,21 @@ def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     """As root (CI runs as root), one optimizer step of 2 micro-batches per mode with BF16-compressed
     gradients, at no limit and at 50 Mbit/s; as another user, the one-line refusal."""
     result = run_python(
-        "benchmarks/bench_network.py", "--rates", "unlimited,50", "--accum-steps", "2", "--comm-hook", "bf16",
-        "--steps", "1", "--repeats", "1", "--out", tmp_path, timeout=600,
-    )  # fmt: skip
+        "benchmarks/bench_network.py",
+        "--rates",
+        "unlimited,50",
+        "--accum-steps",
+        "2",
+        "--comm-hook",
+        "bf16",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        tmp_path,
+        timeout=600,
+    )
     if os.geteuid() != 0:
         assert_one_line_error(result, "needs root to make a network namespace")
         return

@@ -16,9 +16,19 @@ def bench(tmp_path_factory):
     synthetic_data.write_dataset(folder / "data", "image-folders", 500, 100)
     output = folder / "speed.json"
     result = run_python(
-        "benchmarks/bench_speed.py", "--data-dir", folder / "data", "--windows", "1", "--repeats", "1",
-        "--device", "cpu", "--output", output, timeout=600,
-    )  # fmt: skip
+        "benchmarks/bench_speed.py",
+        "--data-dir",
+        folder / "data",
+        "--windows",
+        "1",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        "--output",
+        output,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads(output.read_text()), folder
 

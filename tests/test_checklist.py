@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
-from ddp_no_sync_lab import certify, experiment, records, scale
+from ddp_no_sync_lab import certify, experiment, records, scale, strict_audit
 from model import CifarCNN
 from tools import synthetic_data
 
@@ -166,10 +166,10 @@ def test_strict_verify_holds_every_documented_key(tmp_path):
     """Another seed, or a 100-image test set, is not the documented experiment even when every count would
     match: the first differing key is named."""
     path = tmp_path / "run.json"
-    certify.check_documented(path, dict(experiment.DOCUMENTED))
+    strict_audit.check_documented(path, dict(experiment.DOCUMENTED))
     for key, value in (("seed", 48), ("test_size", 100), ("learning_rate", 1e-3), ("augmentation", "none")):
         with pytest.raises(records.AuditError) as caught:
-            certify.check_documented(path, {**experiment.DOCUMENTED, key: value})
+            strict_audit.check_documented(path, {**experiment.DOCUMENTED, key: value})
         assert str(caught.value) == (
             f"{path}: config {key}={value!r} is not the documented experiment's {experiment.DOCUMENTED[key]!r}: run "
             f"the documented experiment, or audit these runs against their own configuration with --expect-from-config"

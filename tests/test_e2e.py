@@ -98,10 +98,20 @@ def own_runs(image_data, tmp_path_factory):
     for index, (path, target) in enumerate(zip(files, targets)):
         path.rename(target / f"shuffled-{index:05d}.png")
     one_window = [
-        ["--mode", mode, "--output", folder / "one-window" / mode, "--data-dir", image_data, *SMALL_RUN,
-         "--batch-size", "20", "--quiet"]
+        [
+            "--mode",
+            mode,
+            "--output",
+            folder / "one-window" / mode,
+            "--data-dir",
+            image_data,
+            *SMALL_RUN,
+            "--batch-size",
+            "20",
+            "--quiet",
+        ]
         for mode in MODES
-    ]  # fmt: skip
+    ]
     shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
     train_in_one_start(folder / "logs", *one_window, shuffled_run)
     return folder

@@ -79,8 +79,19 @@ def one_epoch(tmp_path_factory):
     (tests/inject), audited beside it: in one torchrun start."""
     artifacts = tmp_path_factory.mktemp("text-one-epoch") / "artifacts"
     runs = [[*TEXT_RUN, "--mode", "every", "--output", artifacts / "every", "--epochs", "1"]]
-    runs += [[f"LAB_TEST_TEXT_LOSS={broken}", *TEXT_RUN, "--mode", "no_sync", "--output",
-              artifacts.parent / "broken" / broken / "no_sync", "--epochs", "1"] for broken in BROKEN_LOSSES]  # fmt: skip
+    runs += [
+        [
+            f"LAB_TEST_TEXT_LOSS={broken}",
+            *TEXT_RUN,
+            "--mode",
+            "no_sync",
+            "--output",
+            artifacts.parent / "broken" / broken / "no_sync",
+            "--epochs",
+            "1",
+        ]
+        for broken in BROKEN_LOSSES
+    ]
     train_in_one_start(artifacts.parent / "logs", *runs, env=TEXT_ENV)
     return artifacts
 
@@ -222,8 +233,9 @@ def test_a_loss_broken_beneath_the_loop_is_refused(one_epoch, tmp_path, broken, 
 def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_path):
     output = tmp_path / "every"
     env = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_KILL_AT="saved:1")
-    result = text_train(output, "every", "--epochs", "1", "--checkpoint-every-windows", "2", env=env,
-                        launcher=["--max-restarts=1"])  # fmt: skip
+    result = text_train(
+        output, "every", "--epochs", "1", "--checkpoint-every-windows", "2", env=env, launcher=["--max-restarts=1"]
+    )
     assert_ok(result)
     assert "train.py: resuming" in result.stderr and "epoch 1, micro-batch 8, from its saved state" in result.stderr
     resumed = torch.load(output / records.MODEL_FILE, weights_only=True)["model"]
@@ -264,8 +276,13 @@ def test_verify_holds_the_packing_to_what_packing_must_keep(monkeypatch, broken,
     its targets, or loses a row's last target (a long document's rows not overlapping), is refused."""
     source = packed.load_corpus()
     sizes = packed.make_split(source, 47, 0, 2).sizes
-    config = {"data_fingerprint": source.fingerprint, "torch": torch.__version__, "seed": 47, "world_size": 2,
-              **{f"{name}_size": size for name, size in sizes.items()}}  # fmt: skip
+    config = {
+        "data_fingerprint": source.fingerprint,
+        "torch": torch.__version__,
+        "seed": 47,
+        "world_size": 2,
+        **{f"{name}_size": size for name, size in sizes.items()},
+    }
     certify.recomputed_packing.cache_clear()
     assert certify.check_text_data("run.json", config, strict=True) is not None
     pack = packed.pack

@@ -228,9 +228,15 @@ def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_i
     previous = read_json(artifacts / "no_sync" / records.RUN_RECORD_FILE)["run_id"]
     kills = "saved:1,saving:4,saved:1,eval:1,eval:2,publish"
     result = train(
-        image_data, artifacts / "no_sync", "no_sync", "--checkpoint-every-windows", "1", "--quiet",
-        env=subprocess_env(LAB_TEST_KILL_AT=kills), launcher=["--max-restarts=6"],
-    )  # fmt: skip
+        image_data,
+        artifacts / "no_sync",
+        "no_sync",
+        "--checkpoint-every-windows",
+        "1",
+        "--quiet",
+        env=subprocess_env(LAB_TEST_KILL_AT=kills),
+        launcher=["--max-restarts=6"],
+    )
     assert_ok(result)
     resumed = [line.split(" at ")[1] for line in result.stderr.splitlines() if line.startswith("train.py: resuming")]
     assert resumed == [
@@ -246,8 +252,13 @@ def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_i
     history = same_run(uninterrupted / "no_sync", artifacts / "no_sync")
     assert [row["resumed_at"] for row in history] == [[4, 16], [0, 16]]
     assert [(segment["epoch"], segment["micro_batch"]) for segment in record["segments"]] == [
-        (1, 0), (1, 4), (1, 16), (2, 0), (2, 16), (3, 0)
-    ]  # fmt: skip
+        (1, 0),
+        (1, 4),
+        (1, 16),
+        (2, 0),
+        (2, 16),
+        (3, 0),
+    ]
     checked = verify(artifacts)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     # One machine: no change of hardware to note; only the timeline's (the never-stopped every was profiled).

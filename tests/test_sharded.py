@@ -38,8 +38,10 @@ def fsdp_runs(tmp_path_factory, image_data):
     artifacts = tmp_path_factory.mktemp("fsdp") / "artifacts"
     common = ["--data-dir", image_data, *SMALL_RUN, *FSDP, "--quiet"]
     runs = [["--mode", mode, "--output", artifacts / mode, *common, *PROFILED] for mode in experiment.MODES]
-    runs += [[f"LAB_TEST_FSDP={broken}", "--mode", mode, "--output", artifacts.parent / "broken" / broken / mode, *common]
-             for broken, mode in BROKEN_BENEATH]  # fmt: skip
+    runs += [
+        [f"LAB_TEST_FSDP={broken}", "--mode", mode, "--output", artifacts.parent / "broken" / broken / mode, *common]
+        for broken, mode in BROKEN_BENEATH
+    ]
     train_in_one_start(artifacts.parent / "logs", *runs)
     return artifacts
 
@@ -87,8 +89,15 @@ def test_the_fsdp_checkpoint_is_a_plain_state_dict_for_infer(fsdp_runs):
     checkpoint = torch.load(fsdp_runs / "no_sync" / "model.pt", weights_only=True)
     model = CifarCNN()
     model.load_state_dict(checkpoint["model"])  # plain tensors, the document's model
-    result = assert_ok(run_python("infer.py", "--checkpoint", fsdp_runs / "no_sync" / "model.pt",
-                                  "--image", fsdp_runs / "no_sync" / "sample_test.png"))  # fmt: skip
+    result = assert_ok(
+        run_python(
+            "infer.py",
+            "--checkpoint",
+            fsdp_runs / "no_sync" / "model.pt",
+            "--image",
+            fsdp_runs / "no_sync" / "sample_test.png",
+        )
+    )
     assert result.stdout.strip()
 
 

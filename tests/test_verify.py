@@ -248,8 +248,12 @@ def read_only_verify(artifacts, *options):
         command = [sys.executable, "verify.py", "--artifacts", artifacts, "--expect-from-config", *options]
         return subprocess.run(
             ["unshare", "--mount", "sh", "-c", script, "read-only", artifacts, *map(str, command)],
-            capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            cwd=REPO,
+            timeout=300,
+        )
 
     def refused_under_artifacts(real, writes):
         def call(path, *args, **kwargs):
@@ -327,8 +331,10 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def broken_runs(tmp_path_factory, image_data):
     out = tmp_path_factory.mktemp("broken")
-    runs = [[*words, "--output", out / name / words[-1], "--data-dir", image_data, *SMALL_RUN, "--quiet"]
-            for name, words in BROKEN.items()]  # fmt: skip
+    runs = [
+        [*words, "--output", out / name / words[-1], "--data-dir", image_data, *SMALL_RUN, "--quiet"]
+        for name, words in BROKEN.items()
+    ]
     train_in_one_start(out / "logs", *runs)
     return out
 

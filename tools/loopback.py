@@ -20,9 +20,17 @@ def loopback_node_command(node, nodes, port, script_args, restarts=0):
     torchrun restarts a failed worker group `restarts` times.
     On real machines only the endpoint and the node's own address differ (docs/across-machines.md)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nodes}", f"--node-rank={node}", "--nproc-per-node=1", f"--max-restarts={restarts}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=lab-{port}",
-        f"--rdzv-conf=is_host={int(node == 0)}", "--local-addr=127.0.0.1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--node-rank={node}",
+        "--nproc-per-node=1",
+        f"--max-restarts={restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=lab-{port}",
+        f"--rdzv-conf=is_host={int(node == 0)}",
+        "--local-addr=127.0.0.1",
         *map(str, script_args),
-    ]  # fmt: skip
+    ]

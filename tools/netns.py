@@ -61,9 +61,12 @@ def run_in_namespace(script, arguments):
                 left = processes_in_namespace(int(text))
                 for pid in left:
                     os.kill(pid, signal.SIGKILL)
-                print(f"clean-up: {len(left)} process(es) were left in the benchmark's namespace" if left
-                      else "clean-up: no process left in the benchmark's namespace (it is gone, with its qdisc)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"clean-up: {len(left)} process(es) were left in the benchmark's namespace"
+                    if left
+                    else "clean-up: no process left in the benchmark's namespace (it is gone, with its qdisc)",
+                    file=sys.stderr,
+                )
     return returncode
 
 

@@ -315,10 +315,11 @@ def main():
     chosen = {mode: (experiment.sample_plan(plan, config), mode) for mode in experiment.MODES}
     chosen["broken_short_micro_batch_divided_by_window_length"] = (plan, "no_sync")
     results["float64"]["short_micro_batch"] = {
-        variant: compare(ddp_run(initial_state, data, variant_plan, mode, rank, world_size, torch.float64, nullcontext),
-                         reference)
+        variant: compare(
+            ddp_run(initial_state, data, variant_plan, mode, rank, world_size, torch.float64, nullcontext), reference
+        )
         for variant, (variant_plan, mode) in chosen.items()
-    }  # fmt: skip
+    }
     if rank == 0:
         print(json.dumps(results), flush=True)
     audit.settle_comm_hooks()
