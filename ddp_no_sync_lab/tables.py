@@ -6,9 +6,9 @@ next to the run folders (or in the folder verify.py --pictures names).
 import json
 
 from ddp_no_sync_lab import pictures
-from ddp_no_sync_lab.certify import token_weights
 from ddp_no_sync_lab.experiment import from_runs
 from ddp_no_sync_lab.records import png_bytes, write_atomic
+from ddp_no_sync_lab.strict_audit import token_weights
 
 # Pictures verify.py draws from both runs, next to the run folders.
 CURVES_FILE = "curves.png"
