@@ -40,33 +40,9 @@ def parse_args():
 
 def run(strategy, mode, data_dir, workspace, precision):
     output = workspace / f"{strategy}-{mode}"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        REPO / "train.py",
-        "--strategy",
-        strategy,
-        "--mode",
-        mode,
-        "--output",
-        output,
-        "--data-dir",
-        data_dir,
-        "--epochs",
-        "1",
-        "--batch-size",
-        str(BATCH),
-        "--accum-steps",
-        str(ACCUM),
-        "--device",
-        "cpu",
-        "--precision",
-        precision,
-        "--quiet",
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", REPO / "train.py"]
+    command += ["--strategy", strategy, "--mode", mode, "--output", output, "--data-dir", data_dir, "--epochs", "1"]
+    command += ["--batch-size", BATCH, "--accum-steps", ACCUM, "--device", "cpu", "--precision", precision, "--quiet"]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise cli.LabError(f"train.py --strategy {strategy} --mode {mode} failed: {result.stderr.strip()[-400:]}")

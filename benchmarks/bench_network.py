@@ -251,32 +251,10 @@ def measure(args, workspace, nodes):
             for index, mode in enumerate(order):
                 output = workspace / "runs" / f"{rate or 0:g}-{accum}" / f"{mode}-{index}"
                 started = time.monotonic()
-                nodes.run(
-                    [
-                        "--mode",
-                        mode,
-                        "--output",
-                        output,
-                        "--data-dir",
-                        data_folders[accum],
-                        "--epochs",
-                        1,
-                        "--batch-size",
-                        batch,
-                        "--accum-steps",
-                        accum,
-                        "--comm-hook",
-                        args.comm_hook,
-                        "--device",
-                        "cpu",
-                        "--strategy",
-                        args.strategy,
-                        "--precision",
-                        args.precision,
-                        "--quiet",
-                    ],
-                    logs=output.with_name(f"{output.name}-logs"),
-                )
+                options = ["--mode", mode, "--output", output, "--data-dir", data_folders[accum], "--epochs", 1]
+                options += ["--batch-size", batch, "--accum-steps", accum, "--comm-hook", args.comm_hook]
+                options += ["--device", "cpu", "--strategy", args.strategy, "--precision", args.precision, "--quiet"]
+                nodes.run(options, logs=output.with_name(f"{output.name}-logs"))
                 samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
                 chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
                 print(

@@ -265,26 +265,10 @@ def torchrun(nproc, *script_args, env=None):
 def lab_run(args, loader, workspace):
     """One no_sync epoch of train.py with this loader: whole-process seconds, and its history and config."""
     output = workspace / loader
+    options = ["--mode", "no_sync", "--epochs", "1", "--output", output, "--data-dir", args.data_dir.resolve()]
+    options += ["--device", args.device, "--precision", args.precision, "--loader", loader, "--quiet"]
     _, seconds = torchrun(
-        args.nproc_per_node,
-        REPO / "train.py",
-        "--mode",
-        "no_sync",
-        "--epochs",
-        "1",
-        "--output",
-        output,
-        "--data-dir",
-        args.data_dir.resolve(),
-        "--device",
-        args.device,
-        "--precision",
-        args.precision,
-        "--loader",
-        loader,
-        "--quiet",
-        "--expected-world-size",
-        args.nproc_per_node,
+        args.nproc_per_node, REPO / "train.py", *options, "--expected-world-size", args.nproc_per_node
     )
     (row,) = json.loads((output / records.HISTORY_FILE).read_text())
     config = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]
@@ -364,19 +348,9 @@ def main():
         data.prepare_data(args.data_dir)
         if data.is_image_folder_tree(args.data_dir):
             cache_seconds = time.perf_counter() - started
-        result, _ = torchrun(
-            args.nproc_per_node,
-            Path(__file__).resolve(),
-            "--worker",
-            "--device",
-            args.device,
-            "--precision",
-            args.precision,
-            "--windows",
-            args.windows,
-            "--repeats",
-            args.repeats,
-        )
+        options = ["--device", args.device, "--precision", args.precision]
+        options += ["--windows", args.windows, "--repeats", args.repeats]
+        result, _ = torchrun(args.nproc_per_node, Path(__file__).resolve(), "--worker", *options)
         measured = json.loads(result.stdout.strip().splitlines()[-1])
         floor = measured["seconds_per_micro_batch"]
         with tempfile.TemporaryDirectory(prefix="bench-speed-") as workspace:

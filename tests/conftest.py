@@ -162,19 +162,8 @@ def start_train(*args, launcher=()):
 
 
 def train(data_dir, output, mode, *extra, env=None, launcher=()):
-    return torchrun(
-        "train.py",
-        "--mode",
-        mode,
-        "--output",
-        output,
-        "--data-dir",
-        data_dir,
-        *SMALL_RUN,
-        *extra,
-        env=env,
-        launcher=launcher,
-    )
+    options = ["--mode", mode, "--output", output, "--data-dir", data_dir, *SMALL_RUN, *extra]
+    return torchrun("train.py", *options, env=env, launcher=launcher)
 
 
 RUNS_WORKER = WORKERS.relative_to(REPO) / "runs.py"

@@ -134,18 +134,9 @@ FAULTS = {
 def faulty_runs(tmp_path_factory, image_data):
     """Every fault's run, in one torchrun start."""
     out = tmp_path_factory.mktemp("faults")
+    options = ["--data-dir", image_data, *SMALL_RUN, "--quiet"]
     runs = [
-        [
-            *injections,
-            "--mode",
-            "every",
-            "--output",
-            out / fault / "every",
-            "--data-dir",
-            image_data,
-            *SMALL_RUN,
-            "--quiet",
-        ]
+        [*injections, "--mode", "every", "--output", out / fault / "every", *options]
         for fault, injections in FAULTS.items()
     ]
     train_in_one_start(out / "logs", *runs)

@@ -141,20 +141,8 @@ def test_the_calculator_predicts_what_the_benchmark_checks_and_a_ring_for_n_rank
     assert speedup == pytest.approx(steps["every"] / steps["no_sync"])
     assert link_model.ring_wire_bits(1e6, 8, shared_link=False) == pytest.approx(2 * 7 / 8 * 1e6 * 8 * FRAMING)
     assert link_model.ring_wire_bits(1e6, 2, shared_link=False) == pytest.approx(1e6 * 8 * FRAMING)
-    result = run_python(
-        "benchmarks/link_model.py",
-        "--gradient-mb",
-        "1",
-        "--compute-ms",
-        "250",
-        "--rate-mbit",
-        "50",
-        "--sync-latency-ms",
-        "10",
-        "--accum-steps",
-        "4",
-        "--shared-link",
-    )
+    cell = ["--gradient-mb", "1", "--compute-ms", "250", "--rate-mbit", "50", "--sync-latency-ms", "10"]
+    result = run_python("benchmarks/link_model.py", *cell, "--accum-steps", "4", "--shared-link")
     assert result.returncode == 0, result.stderr
     assert f"| every | {steps['every']:.3f} |" in result.stdout
     assert result.stdout.splitlines()[-1] == f"no_sync: {speedup:.2f}x faster per optimizer step (at most A = 4x)"
@@ -209,22 +197,8 @@ def test_bad_accumulation_steps_get_one_line():
 def test_a_small_run_over_a_slow_link_then_nothing_is_left(tmp_path):
     """As root (CI runs as root), one optimizer step of 2 micro-batches per mode with BF16-compressed
     gradients, at no limit and at 50 Mbit/s; as another user, the one-line refusal."""
-    result = run_python(
-        "benchmarks/bench_network.py",
-        "--rates",
-        "unlimited,50",
-        "--accum-steps",
-        "2",
-        "--comm-hook",
-        "bf16",
-        "--steps",
-        "1",
-        "--repeats",
-        "1",
-        "--out",
-        tmp_path,
-        timeout=600,
-    )
+    options = ["--rates", "unlimited,50", "--accum-steps", "2", "--comm-hook", "bf16", "--steps", "1", "--repeats", "1"]
+    result = run_python("benchmarks/bench_network.py", *options, "--out", tmp_path, timeout=600)
     if os.geteuid() != 0:
         assert_one_line_error(result, "needs root to make a network namespace")
         return

@@ -15,20 +15,8 @@ def bench(tmp_path_factory):
     # 400 train images: 200 per rank, 4 micro-batches of 50, one window of the documented 4.
     synthetic_data.write_dataset(folder / "data", "image-folders", 500, 100)
     output = folder / "speed.json"
-    result = run_python(
-        "benchmarks/bench_speed.py",
-        "--data-dir",
-        folder / "data",
-        "--windows",
-        "1",
-        "--repeats",
-        "1",
-        "--device",
-        "cpu",
-        "--output",
-        output,
-        timeout=600,
-    )
+    options = ["--data-dir", folder / "data", "--windows", "1", "--repeats", "1", "--device", "cpu", "--output", output]
+    result = run_python("benchmarks/bench_speed.py", *options, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads(output.read_text()), folder
 

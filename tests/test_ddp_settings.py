@@ -29,18 +29,8 @@ SIZES = experiment.comm_sizes(CifarCNN())
 def matrix(tmp_path_factory):
     """Each lever alone, both modes: 2 windows of 4 micro-batches of 4 per rank, float32."""
     output = tmp_path_factory.mktemp("ddp-settings") / "ddp_settings.json"
-    result = run_python(
-        "benchmarks/bench_ddp_settings.py",
-        "--windows",
-        "2",
-        "--batch-size",
-        "4",
-        "--precision",
-        "fp32",
-        "--output",
-        output,
-        timeout=600,
-    )
+    options = ["--windows", "2", "--batch-size", "4", "--precision", "fp32", "--output", output]
+    result = run_python("benchmarks/bench_ddp_settings.py", *options, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(output.read_text())
     rows = {(row["setting"], row["mode"]): row for row in record["rows"]}

@@ -97,21 +97,8 @@ def own_runs(image_data, tmp_path_factory):
     targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
     for index, (path, target) in enumerate(zip(files, targets)):
         path.rename(target / f"shuffled-{index:05d}.png")
-    one_window = [
-        [
-            "--mode",
-            mode,
-            "--output",
-            folder / "one-window" / mode,
-            "--data-dir",
-            image_data,
-            *SMALL_RUN,
-            "--batch-size",
-            "20",
-            "--quiet",
-        ]
-        for mode in MODES
-    ]
+    options = ["--data-dir", image_data, *SMALL_RUN, "--batch-size", "20", "--quiet"]
+    one_window = [["--mode", mode, "--output", folder / "one-window" / mode, *options] for mode in MODES]
     shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
     train_in_one_start(folder / "logs", *one_window, shuffled_run)
     return folder

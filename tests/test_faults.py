@@ -145,19 +145,8 @@ def rank_pid(launcher, rank):
 
 def start_long_run(output, image_data):
     """train.py into `output` for 50 epochs, in a session of its own, returned once training is under way."""
-    launcher = start_train(
-        "--mode",
-        "every",
-        "--output",
-        output,
-        "--data-dir",
-        image_data,
-        *SMALL_RUN,
-        "--epochs",
-        "50",
-        "--progress-every",
-        "0",
-    )
+    options = ["--mode", "every", "--output", output, "--data-dir", image_data, *SMALL_RUN]
+    launcher = start_train(*options, "--epochs", "50", "--progress-every", "0")
     for line in launcher.stderr:  # wait until training is under way
         if "train:" in line:
             break
