@@ -44,8 +44,8 @@ from ddp_no_sync_lab import audit, checklist, data, experiment, language, launch
 from ddp_no_sync_lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
 from ddp_no_sync_lab.memory import saved_activations
 from ddp_no_sync_lab.precision import PRECISIONS
+from ddp_no_sync_lab.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from ddp_no_sync_lab.sharded import fsdp_in_range, wrap_sharded
-from ddp_no_sync_lab.witness import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT

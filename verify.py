@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ddp_no_sync_lab import certify, checks, experiment, language, resume, sharded, strict_audit, tables
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
+from ddp_no_sync_lab.profiler import check_profile
 from ddp_no_sync_lab.records import (
     CONFUSION_FILE,
     HISTORY_FILE,
@@ -37,7 +38,6 @@ from ddp_no_sync_lab.records import (
     AuditError,
     describe_unfinished,
 )
-from ddp_no_sync_lab.witness import check_profile
 from model import IMAGE_SIZE, CifarCNN
 
 SCRIPT = "verify.py"

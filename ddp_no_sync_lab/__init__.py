@@ -18,7 +18,7 @@ per concern; docs/architecture.md draws what flows between them.
     sharded       FSDP2 beside DDP: the CNN under fully_shard, its collectives counted, its reduction made the mean
     launch        where a process runs, and every rank's agreement on options, device, precision and data
     resume        the run's state saved at epochs' and windows' ends, resumed bit for bit; SIGTERM as a stop
-    witness       the profiler as the audit's second witness, and its check
+    profiler      the profiler over K windows, the audit's second witness, and verify's check of it
     certify       verify.py's check of each checklist item against the witnesses, one function per item; the table
     strict_audit  the strict audit: the documented experiment key by key, on real data, learned; per-token weights
     checks        the facts verify.py checks, one function per artifact or fact

@@ -1,4 +1,4 @@
-"""The document's checklist observed: witnesses that read what a run did, and verify.py's check of each item.
+"""The document's checklist observed: witnesses that read what a run did (certify.py checks each item).
 
 Every witness reads an event of the run itself, never the window plan the loop follows:
 

@@ -27,7 +27,7 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from ddp_no_sync_lab import audit, experiment, launch, records, strict_audit, witness
+from ddp_no_sync_lab import audit, experiment, launch, profiler, records, strict_audit
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -265,7 +265,7 @@ def test_strict_verify_names_synthetic_data_first(lab_runs):
 
 
 def fixture_events(name):
-    """A recorded profiler's events as JSON (tests/fixtures), as objects that witness.summarize reads."""
+    """A recorded profiler's events as JSON (tests/fixtures), as objects that profiler.summarize reads."""
     kinds = {"cpu": torch.autograd.DeviceType.CPU, "cuda": torch.autograd.DeviceType.CUDA}
     return [
         SimpleNamespace(
@@ -282,7 +282,7 @@ def test_cuda_annotations_of_the_labels_are_not_counted_twice():
     name. The summary takes the CPU's: each micro-batch once, the agreement span only where the CPU ran it."""
     events = fixture_events("cuda_profile_events.json")
     assert sum(event.name == "micro-batch 8" for event in events) == 2  # the fixture holds both kinds
-    summary = witness.summarize(events, rank=0, audit={})
+    summary = profiler.summarize(events, rank=0, audit={})
     assert [span[0] for span in summary["micro_batches"]] == [8, 9, 10, 11]
     fsdp = {"c10d::_allgather_base_": 0, "c10d::_reduce_scatter_base_": 0}
     assert summary["calls"] == {"c10d::allreduce_": 5, "c10d::broadcast_": 2, **fsdp}
