@@ -24,8 +24,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
 # The lab's package (pyproject.toml), editable in setuptools' compat mode: the checkout's root on the
-# environment's path, so that tools/, benchmarks/ and tests/ import it, model.py and train.py from any folder.
+# environment's path, so that tools/, benchmarks/ and tests/ import it, model.py and train.py from any folder
+# (--config-settings needs pip 22.1: Ubuntu 22.04's venv has 22.0).
 define install_package
+	$(PY) -m pip install --quiet "pip>=22.1"
 	$(PY) -m pip install --no-deps --editable . --config-settings editable_mode=compat
 endef
 

@@ -31,6 +31,9 @@
 # timeline.png, profile.json (every's profiled windows), tests.log.
 set -euo pipefail
 cd "$(dirname "$0")"
+# The checkout on the path, first: tools/ and benchmarks/ import the lab's package, model.py and train.py (the
+# Makefile installs the package editable instead; a GPU machine's own Python has no network to install it).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 BUDGET_SECONDS=480
 DEVICE=cuda

@@ -441,7 +441,7 @@ def check_text_data(path, config, strict):
 def print_checklist(runs, config):
     """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
     print()
-    print("The document's checklist, observed (checklist.py; docs/audit.md):")
+    print("The document's checklist, observed (ddp_no_sync_lab/checklist.py; docs/audit.md):")
     print("| # | item (document) | in English | " + " | ".join(runs) + " | seen by |")
     print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
     for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):

@@ -1,5 +1,5 @@
 """The audit counts what really crosses between the ranks: checked against the PyTorch profiler's record of
-the c10d collectives, and against the counts ddp_no_sync_lab.py derives from the configuration and the model."""
+the c10d collectives, and against the counts ddp_no_sync_lab/experiment.py derives from the configuration and the model."""
 
 import json
 import threading
