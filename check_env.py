@@ -4,10 +4,10 @@
     python check_env.py --nproc-per-node 1    # for a node of a multi-node run with one process
     python check_env.py --lab-device          # only 'cuda' or 'cpu': what train.py --device auto will take
 
-train.py's device policy (ddp_no_sync_lab/launch.py's node_device) decides per node: GPUs (NCCL, one process per GPU) when the node
-has at least one visible GPU per process it runs, else CPU (gloo). The precision (ddp_no_sync_lab/precision.py) follows the
-device: BF16 autocast where it computes BF16 natively, float32 elsewhere; this check prints the decision and
-why, as train.py does at start-up.
+train.py's device policy (ddp_no_sync_lab/run/launch.py's node_device) decides per node: GPUs (NCCL, one process per
+GPU) when the node has at least one visible GPU per process it runs, else CPU (gloo). The precision
+(ddp_no_sync_lab/precision.py) follows the device: BF16 autocast where it computes BF16 natively, float32 elsewhere;
+this check prints the decision and why, as train.py does at start-up.
 """
 
 import platform
@@ -19,10 +19,10 @@ import torch
 import torchvision
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from ddp_no_sync_lab.data import TORCHVISION_FOLDER, is_image_folder_tree
 from ddp_no_sync_lab.experiment import DOCUMENTED
-from ddp_no_sync_lab.launch import node_device
 from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.run.launch import node_device
+from ddp_no_sync_lab.tasks.data import TORCHVISION_FOLDER, is_image_folder_tree
 
 DATA_GIGABYTES = 0.35  # CIFAR-10's archive and its extracted batches
 

@@ -25,8 +25,8 @@ import torch
 from PIL import Image
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from ddp_no_sync_lab.data import IMAGE_ERRORS, IMAGE_SUFFIXES
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+from ddp_no_sync_lab.tasks.data import IMAGE_ERRORS, IMAGE_SUFFIXES
 from model import CLASSES, MEMORY_FORMAT, CheckpointError, inference_transform, load_checkpoint
 
 SCRIPT = "infer.py"

@@ -12,7 +12,8 @@ Two machines, one process each: the same command on both (docs/across-machines.m
 `every` all-reduces the gradients after every micro-batch and steps once per window of --accum-steps;
 `no_sync` runs the forward AND backward of the first accum_steps - 1 micro-batches of each window inside
 ddp_model.no_sync(), so DDP all-reduces once per window. The communication hook below counts the syncs, their
-bytes and time; ddp_no_sync_lab/audit.py's AuditedDDP counts DDP's own BatchNorm buffer broadcasts, which no hook sees.
+bytes and time; ddp_no_sync_lab/strategies/ddp.py's AuditedDDP counts DDP's own BatchNorm buffer broadcasts,
+which no hook sees.
 
 Measured (`make lab` on the EPYC of docs/machines.md, 2026-12-02: 2 CPU ranks, gloo, BF16 autocast, real CIFAR-10 as
 JPEG, documented settings; per rank, totals over 5 epochs; docs/results.md has the whole output):
@@ -40,12 +41,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_no_sync_lab import audit, checklist, data, experiment, language, launch, loaders, packed, records, resume, tap
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.audit import checklist, instruments, tap
+from ddp_no_sync_lab.audit.memory import saved_activations
+from ddp_no_sync_lab.audit.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from ddp_no_sync_lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
-from ddp_no_sync_lab.memory import saved_activations
 from ddp_no_sync_lab.precision import PRECISIONS
-from ddp_no_sync_lab.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
-from ddp_no_sync_lab.sharded import fsdp_in_range, wrap_sharded
+from ddp_no_sync_lab.run import launch, records, resume
+from ddp_no_sync_lab.strategies import ddp
+from ddp_no_sync_lab.strategies.fsdp import fsdp_in_range, wrap_sharded
+from ddp_no_sync_lab.tasks import data, language, loaders, packed
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT
@@ -115,7 +120,7 @@ def counting_allreduce_hook(comm_audit, bucket):
     # The bytes are those of the tensors handed to the collective, whatever the --comm-hook label says.
     with tap.TAP.handed() as handed:
         if comm_audit.comm_hook != "allreduce":
-            future = audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
+            future = instruments.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
         else:
             tensor = bucket.buffer().div_(comm_audit.world_size)
             future = dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future()
@@ -125,23 +130,23 @@ def counting_allreduce_hook(comm_audit, bucket):
 
 def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DEFAULTS):
     """DDP with the run's settings (the document's: one 25 MB bucket, buffers broadcast) and the counting hook."""
-    ddp_model = audit.AuditedDDP(
+    ddp_model = ddp.AuditedDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         **{name: value for name, value in settings.items() if name != "comm_hook"},
     )
-    comm_audit = audit.CommAudit(
+    comm_audit = instruments.CommAudit(
         world_size,
         group,
         settings["comm_hook"],
         settings["find_unused_parameters"],
         settings["static_graph"],
-        audit.CollectiveClock(device.type),
+        instruments.CollectiveClock(device.type),
     )
     ddp_model.comm_audit = comm_audit
     ddp_model.register_comm_hook(comm_audit, counting_allreduce_hook)
-    audit.check_ddp_settings(ddp_model, settings)
+    ddp.check_ddp_settings(ddp_model, settings)
     return ddp_model, comm_audit
 
 
@@ -197,11 +202,11 @@ def train_epoch(
             if index == 0:
                 trace.saved_activation_bytes = held.activation_bytes
             if micro_step.step:
-                before = audit.before_step(parameters)
+                before = instruments.before_step(parameters)
                 optimizer.step()
                 with span(RANK_AGREEMENT_LABEL):
                     stop = session is not None and session.stop_requested
-                    trace.agreement.append(audit.ranks_agree(before, parameters, comm_audit.group, stop))
+                    trace.agreement.append(instruments.ranks_agree(before, parameters, comm_audit.group, stop))
                 optimizer.zero_grad(set_to_none=True)
         if profiler:
             profiler.after_micro_batch(index)
@@ -271,7 +276,7 @@ class Training:
     plan: list
     model: nn.Module
     ddp_model: nn.Module
-    comm_audit: audit.CommAudit
+    comm_audit: instruments.CommAudit
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -289,7 +294,7 @@ def make_training(args, place, setup, config):
 
     model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
     model = model.to(setup.device, memory_format=MEMORY_FORMAT)
-    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/sharded.py)
+    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/strategies/fsdp.py)
         ddp_model, comm_audit = wrap_sharded(model, setup.device, place.world_size, setup.group, config)
     else:
         settings = experiment.ddp_settings(config)
@@ -326,8 +331,8 @@ def run(args, place):
     session = resume.Session(args, place, config, setup.device)  # a saved state to resume from, or none
     if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
         return
-    run_id, started_at = session.run_id or records.new_run_id(), records.utc_now()
-    folder = records.RunFolder(args.output, run_id)
+    run_id, started_at = session.run_id or files.new_run_id(), files.utc_now()
+    folder = files.RunFolder(args.output, run_id)
     if is_writer:
         folder.begin(resuming=session.state is not None)
     history = []
@@ -341,7 +346,7 @@ def run(args, place):
         history.append(row)
         if is_writer:
             print(json.dumps(row), flush=True)
-            folder.write(records.HISTORY_FILE, records.json_bytes(history))  # a killed run leaves its history so far
+            folder.write(files.HISTORY_FILE, files.json_bytes(history))  # a killed run leaves its history so far
         if profiled:
             profiled.write(folder, place, args.profile_windows)
         epoch = resume.EpochState(epoch.number + 1)
@@ -355,7 +360,7 @@ def run(args, place):
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
         folder.publish({**run_record, "launch_id": place.job, "segments": session.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
 
 
 def train_and_validate(args, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
@@ -366,11 +371,11 @@ def train_and_validate(args, place, setup, training, epoch, session, profiled, p
     epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    epoch.segment_started = audit.read_clock(device)
+    epoch.segment_started = instruments.read_clock(device)
     plan = training.plan
     if args.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
         plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1)
-    with profiled or nullcontext(), audit.ddp_errors_explained():
+    with profiled or nullcontext(), ddp.ddp_errors_explained():
         train_epoch(
             ddp_model,
             setup.loaders.train,
@@ -385,12 +390,12 @@ def train_and_validate(args, place, setup, training, epoch, session, profiled, p
             epoch,
             session,
         )
-    validation_started = audit.read_clock(device)
+    validation_started = instruments.read_clock(device)
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     validation = evaluate_on(setup.loaders.validation, label="validation")
     train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
-    phase_seconds = (train_seconds, audit.read_clock(device) - validation_started)
-    epoch.trace.sample_shards = audit.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
+    phase_seconds = (train_seconds, instruments.read_clock(device) - validation_started)
+    epoch.trace.sample_shards = instruments.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
     epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
     training.scheduler.step()
     return records.epoch_row(

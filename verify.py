@@ -3,32 +3,32 @@
     python verify.py                                                   # the documented experiment
     python verify.py --artifacts artifacts/quick --expect-from-config  # a run judged by its own configuration
 
-Without --expect-from-config the audit is the document's: the runs must be its experiment key by key (split
-and test sizes, seed, batch, window, epochs, learning rate, weight decay, world size, DDP's settings,
-augmentation; the first that differs is named), then 5 epochs, 100 optimizer steps and 400 (every) or 100
-(no_sync) gradient syncs per epoch. With it, the expected counts are recomputed from the configuration the
-runs recorded. Either way every item of the document's checklist is checked against what the run's witnesses
-saw (ddp_no_sync_lab/checklist.py: resets, accumulation, the divisor read at each loss and the loss scale at the logits,
-the average of the ranks' gradients, the samples per step, the optimizer's own steps, the bytes handed to the
-collective), and a refusal names the item. A pair of the text task (train.py --task text) is held to its own
-documented configuration and its packing, made again here (docs/packed.md). Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the
-model's parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every
-file must carry its run's id and match the checksum the run recorded, and the reports must agree with their
-own confusion matrices. A run profiled with train.py --profile-windows K must show the profiler's c10d calls
-equal to the audit's in the profiled windows, rank by rank. A failure is one line naming the file and what is
-wrong (exit 1). On success it also draws curves.png and communication.png next to the run folders (or into
---pictures DIR; on a read-only copy of the artifacts it says so in one line and draws none), and timeline.png
-when both runs were profiled.
+Without --expect-from-config the audit is the document's: the runs must be its experiment key by key (split and test
+sizes, seed, batch, window, epochs, learning rate, weight decay, world size, DDP's settings, augmentation; the first
+that differs is named), then 5 epochs, 100 optimizer steps and 400 (every) or 100 (no_sync) gradient syncs per epoch.
+With it, the expected counts are recomputed from the configuration the runs recorded. Either way every item of the
+document's checklist is checked against what the run's witnesses saw (ddp_no_sync_lab/audit/checklist.py: resets,
+accumulation, the divisor read at each loss and the loss scale at the logits, the average of the ranks' gradients, the
+samples per step, the optimizer's own steps, the bytes handed to the collective), and a refusal names the item. A pair
+of the text task (train.py --task text) is held to its own documented configuration and its packing, made again here
+(docs/packed.md). Either way the all-reduced bytes and DDP's buffer broadcasts are recomputed from the model's
+parameter and buffer sizes, both runs must share one configuration (only the mode may differ), every file must carry
+its run's id and match the checksum the run recorded, and the reports must agree with their own confusion matrices. A
+run profiled with train.py --profile-windows K must show the profiler's c10d calls equal to the audit's in the
+profiled windows, rank by rank. A failure is one line naming the file and what is wrong (exit 1). On success it also
+draws curves.png and communication.png next to the run folders (or into --pictures DIR; on a read-only copy of the
+artifacts it says so in one line and draws none), and timeline.png when both runs were profiled.
 """
 
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ddp_no_sync_lab import certify, checks, experiment, language, resume, sharded, strict_audit, tables
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit.profiler import check_profile
+from ddp_no_sync_lab.checks import certify, facts, strict_audit
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
-from ddp_no_sync_lab.profiler import check_profile
-from ddp_no_sync_lab.records import (
+from ddp_no_sync_lab.files import (
     CONFUSION_FILE,
     HISTORY_FILE,
     MODEL_FILE,
@@ -38,6 +38,10 @@ from ddp_no_sync_lab.records import (
     AuditError,
     describe_unfinished,
 )
+from ddp_no_sync_lab.report import tables
+from ddp_no_sync_lab.run import resume
+from ddp_no_sync_lab.strategies import fsdp
+from ddp_no_sync_lab.tasks import language
 from model import IMAGE_SIZE, CifarCNN
 
 SCRIPT = "verify.py"
@@ -63,30 +67,30 @@ def parse_args():
 
 
 def audit_run(folder, mode, record, expected_config, sizes, strict):
-    history = checks.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
+    history = facts.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
     if record["config"].get("task") == "text":  # the second task: its report and model, no pictures of images
         report = language.check_report(folder / REPORT_FILE, mode, record)
         language.check_model(folder / MODEL_FILE, mode, record)
-        checks.check_checksums(folder, record)
+        facts.check_checksums(folder, record)
         return history, report, check_profile(folder, record, history)
     try:
-        report = checks.check_report(folder / REPORT_FILE, mode, record)
+        report = facts.check_report(folder / REPORT_FILE, mode, record)
     except AuditError as error:
         raise AuditError(f"{error}{certify.item(10)}", error.kind) from None
     if strict:  # the documented experiment's model learned
         strict_audit.check_learned(folder, report)
     training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
-    checks.check_model(folder / MODEL_FILE, mode, record, training_forwards)
-    checks.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
-    checks.check_png(folder / CONFUSION_FILE, record)
-    checks.check_checksums(folder, record)
+    facts.check_model(folder / MODEL_FILE, mode, record, training_forwards)
+    facts.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
+    facts.check_png(folder / CONFUSION_FILE, record)
+    facts.check_checksums(folder, record)
     profile = check_profile(folder, record, history)
     return history, report, profile
 
 
 def read_runs(artifacts):
     """Both runs' records, each described as it is read: where, when and on what it ran, a move or a leftover."""
-    records = {mode: checks.read_run_record(artifacts / mode, mode) for mode in experiment.MODES}
+    records = {mode: facts.read_run_record(artifacts / mode, mode) for mode in experiment.MODES}
     for mode, record in records.items():
         print(f"{mode}: run {record['run_id']} ({record.get('finished_at', '?')}) in {artifacts / mode}")
         config = record["config"]
@@ -127,7 +131,7 @@ def main():
     args = parse_args()
     artifacts = args.artifacts
     records = read_runs(artifacts)
-    checks.compare_configs(records["every"], records["no_sync"], artifacts)
+    facts.compare_configs(records["every"], records["no_sync"], artifacts)
     config = records["every"]["config"]
     expected_config = expected_configuration(args, records)
     text = config.get("task") == "text"
@@ -137,12 +141,12 @@ def main():
     print(f"platform (printed, not compared): {platform}")
     sizes = experiment.comm_sizes(language.ByteTransformer() if text else CifarCNN())
     if config.get("strategy") == "fsdp":  # FSDP's units, each padded to equal shards
-        sizes = replace(sizes, fsdp_unit_numels=sharded.unit_numels(CifarCNN(), config["world_size"]))
+        sizes = replace(sizes, fsdp_unit_numels=fsdp.unit_numels(CifarCNN(), config["world_size"]))
     runs = {
         mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, not args.expect_from_config)
         for mode in experiment.MODES
     }
-    checks.check_same_saved_activations(runs, artifacts)
+    facts.check_same_saved_activations(runs, artifacts)
     for mode, (_, report, _) in runs.items() if text and packing else ():  # the test's tokens and baseline
         language.check_report_against_packing(artifacts / mode / REPORT_FILE, report, packing)
     if text and not args.expect_from_config:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from benchmarks.bench_speed import machine
-from ddp_no_sync_lab import audit, cli, memory, records
+from ddp_no_sync_lab import cli, files
+from ddp_no_sync_lab.audit import instruments, memory
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 
@@ -65,10 +66,10 @@ def measure(network, batch_size, args, device, precision):
         peak = torch.cuda.max_memory_allocated(device)
     samples = []
     for _ in range(args.repeats):
-        started = audit.read_clock(device)
+        started = instruments.read_clock(device)
         for _ in range(args.micro_batches):
             micro_batch()
-        samples.append((audit.read_clock(device) - started) / args.micro_batches)
+        samples.append((instruments.read_clock(device) - started) / args.micro_batches)
     network.zero_grad(set_to_none=True)
     return {
         "saved_activation_bytes": held.activation_bytes,
@@ -142,7 +143,7 @@ def main():
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.output, records.json_bytes(report))
+    files.write_atomic(args.output, files.json_bytes(report))
     print(f"\nwritten: {args.output}")
 
 

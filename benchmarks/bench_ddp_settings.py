@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ddp_no_sync_lab import audit, cli, experiment, records
+from ddp_no_sync_lab import cli, experiment, files
+from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+from ddp_no_sync_lab.strategies import ddp
 from model import CifarCNN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,14 +125,14 @@ def worker(args):
         sampler.set_epoch(0)
         witness.bytes = 0
         dist.barrier()
-        started = audit.read_clock(cpu)
+        started = instruments.read_clock(cpu)
         try:
-            with audit.ddp_errors_explained():
+            with ddp.ddp_errors_explained():
                 train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, cpu, autocast, progress)
         except cli.LabError as error:
             broken.append(ddp_model)
             return {"refused": error.line("train.py")}, None
-        seconds = audit.read_clock(cpu) - started
+        seconds = instruments.read_clock(cpu) - started
         sent = witness.bytes
         train.evaluate(ddp_model, validation, criterion, cpu, autocast, progress, "validation")
         counts = {name: comm_audit.totals()[name] for name in experiment.COUNTS}
@@ -175,7 +177,7 @@ def worker(args):
         }
     if rank == 0:
         print(json.dumps({"rows": rows, "compression": compression, "precision": precision.name}), flush=True)
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
     dist.destroy_process_group()
     if broken:  # leave without destroying them (train.py ends the same way after such a refusal)
         sys.stdout.flush()
@@ -258,7 +260,7 @@ def main():
         **measured,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.output, records.json_bytes(report))
+    files.write_atomic(args.output, files.json_bytes(report))
     print(f"\nwritten: {args.output}")
 
 

@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/bench_memory.py                 # synthetic data, the documented micro-batch of 50
 
 Four short runs of the real train.py (2 ranks, one epoch of two windows of A = 4 micro-batches at the documented
-batch), one per strategy and mode; from each run's history (rank 0, read from the tensors themselves): the
-gradient and parameter bytes held between micro-batches at their most (ddp_no_sync_lab/memory.held_bytes: FSDP's shards, and
-its unsharded parameters and gradients while they are allocated), the activations a micro-batch's forward leaves
-for its backward, and on CUDA the allocator's peak. DDP's bucket, its own copy of the gradients for the
-all-reduce, is no tensor of the model's: its bytes are the gradients' (one bucket under the 25 MB cap), added in
-the table as DDP's. Printed, and written to artifacts/bench/memory.json and memory.png.
+batch), one per strategy and mode; from each run's history (rank 0, read from the tensors themselves): the gradient
+and parameter bytes held between micro-batches at their most (ddp_no_sync_lab/audit/memory.py's held_bytes: FSDP's
+shards, and its unsharded parameters and gradients while they are allocated), the activations a micro-batch's forward
+leaves for its backward, and on CUDA the allocator's peak. DDP's bucket, its own copy of the gradients for the
+all-reduce, is no tensor of the model's: its bytes are the gradients' (one bucket under the 25 MB cap), added in the
+table as DDP's. Printed, and written to artifacts/bench/memory.json and memory.png.
 """
 
 import json
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ddp_no_sync_lab import cli, experiment, pictures, records
+from ddp_no_sync_lab import cli, experiment, files
 from ddp_no_sync_lab.precision import PRECISIONS
+from ddp_no_sync_lab.report import pictures
 from tools import synthetic_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def run(strategy, mode, data_dir, workspace, precision):
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=REPO)
     if result.returncode:
         raise cli.LabError(f"train.py --strategy {strategy} --mode {mode} failed: {result.stderr.strip()[-400:]}")
-    row = json.loads((output / records.HISTORY_FILE).read_text())[0]
+    row = json.loads((output / files.HISTORY_FILE).read_text())[0]
     held = row["held_bytes"]
     bucket = held["gradients"] if strategy == "ddp" else 0  # DDP's bucket: a copy of the gradients
     return {
@@ -109,8 +110,8 @@ def main():
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.out / "memory.json", records.json_bytes(result))
-    records.write_atomic(args.out / "memory.png", records.png_bytes(image, {"data": json.dumps(data)}))
+    files.write_atomic(args.out / "memory.json", files.json_bytes(result))
+    files.write_atomic(args.out / "memory.png", files.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / 'memory.json'} and {args.out / 'memory.png'}")
 
 

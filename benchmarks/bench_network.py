@@ -49,8 +49,10 @@ from benchmarks.link_model import (
     print_table,
     rate_label,
 )
-from ddp_no_sync_lab import cli, data, experiment, pictures, records, sharded
+from ddp_no_sync_lab import cli, experiment, files
 from ddp_no_sync_lab.precision import PRECISIONS
+from ddp_no_sync_lab.report import pictures
+from ddp_no_sync_lab.tasks import data
 from model import CLASSES, CifarCNN
 from tools import loopback, netns, synthetic_data
 
@@ -255,8 +257,8 @@ def measure(args, workspace, nodes):
                 options += ["--batch-size", batch, "--accum-steps", accum, "--comm-hook", args.comm_hook]
                 options += ["--device", "cpu", "--strategy", args.strategy, "--precision", args.precision, "--quiet"]
                 nodes.run(options, logs=output.with_name(f"{output.name}-logs"))
-                samples[mode].append(json.loads((output / records.HISTORY_FILE).read_text())[0])
-                chosen = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]["precision"]
+                samples[mode].append(json.loads((output / files.HISTORY_FILE).read_text())[0])
+                chosen = json.loads((output / files.RUN_RECORD_FILE).read_text())["config"]["precision"]
                 print(
                     f"{rate_label(rate)}, A = {accum}, {mode}: {time.monotonic() - started:.0f} s",
                     file=sys.stderr,
@@ -317,10 +319,10 @@ def inside(args):
     finally:
         nodes.stop()
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    # FSDP's all-gathers per micro-batch, from its units (ddp_no_sync_lab/sharded.py); DDP gathers nothing.
+    # FSDP's all-gathers per micro-batch, from its units (ddp_no_sync_lab/strategies/fsdp.py); DDP gathers nothing.
     world = experiment.DOCUMENTED["world_size"]
     fsdp = args.strategy == "fsdp"
-    gathered = sharded.gathered_bytes(sharded.unit_numels(CifarCNN(), world), world) if fsdp else 0
+    gathered = fsdp.gathered_bytes(fsdp.unit_numels(CifarCNN(), world), world) if fsdp else 0
     terms, table = analyse(rows, gathered)
     fit = link_fit(table)
     print(
@@ -362,7 +364,7 @@ def inside(args):
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = RESULT_NAMES[args.strategy, args.comm_hook]
-    records.write_atomic(args.out / f"{name}.json", records.json_bytes(result))
+    files.write_atomic(args.out / f"{name}.json", files.json_bytes(result))
     # The picture holds every variant measured into this folder so far (each a run of this script).
     results = [
         json.loads((args.out / f"{other}.json").read_text())
@@ -371,7 +373,7 @@ def inside(args):
     ]
     results = [result for result in results if "limited_cells" in result]  # not those of an earlier model
     image, data = draw(results)
-    records.write_atomic(args.out / "network.png", records.png_bytes(image, {"data": json.dumps(data)}))
+    files.write_atomic(args.out / "network.png", files.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / f'{name}.json'} and {args.out / 'network.png'}")
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_speed import machine
-from ddp_no_sync_lab import cli, experiment, packed, pictures, records
-from ddp_no_sync_lab.language import ByteTransformer, TokenCrossEntropy
+from ddp_no_sync_lab import cli, experiment, files
+from ddp_no_sync_lab.report import pictures
+from ddp_no_sync_lab.tasks import packed
+from ddp_no_sync_lab.tasks.language import ByteTransformer, TokenCrossEntropy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +115,7 @@ def main():
         "windows": {str(size): windows for size, windows in results.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.out / "packed.json", records.json_bytes(report))
+    files.write_atomic(args.out / "packed.json", files.json_bytes(report))
     size = args.batch_sizes[0]
     windows = results[size]
     panels = [
@@ -155,7 +157,7 @@ def main():
         },
     ]
     image, data = pictures.index_panels("Packed rows: unequal tokens, and the bias of dividing by the window", panels)
-    records.write_atomic(args.out / "packed.png", records.png_bytes(image, {"data": json.dumps(data)}))
+    files.write_atomic(args.out / "packed.png", files.png_bytes(image, {"data": json.dumps(data)}))
     print(f"wrote {args.out / 'packed.json'} and {args.out / 'packed.png'}")
 
 

@@ -35,8 +35,11 @@ from pathlib import Path
 
 import torch
 
-from ddp_no_sync_lab import audit, checklist, cli, data, experiment, launch, loaders, records
+from ddp_no_sync_lab import cli, experiment, files
+from ddp_no_sync_lab.audit import checklist, instruments
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
+from ddp_no_sync_lab.run import launch
+from ddp_no_sync_lab.tasks import data, loaders
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,9 +98,9 @@ def worker(args):
 
     def timed(body):
         dist.barrier()  # every rank starts together: they share the machine as in the lab
-        started = audit.read_clock(device)
+        started = instruments.read_clock(device)
         body()
-        return audit.read_clock(device) - started
+        return instruments.read_clock(device) - started
 
     model = fresh_model()
     optimizer = train.make_optimizer(model.parameters(), device)
@@ -192,7 +195,7 @@ def worker(args):
                 }
             )
         )
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
     dist.destroy_process_group()
 
 
@@ -270,8 +273,8 @@ def lab_run(args, loader, workspace):
     _, seconds = torchrun(
         args.nproc_per_node, REPO / "train.py", *options, "--expected-world-size", args.nproc_per_node
     )
-    (row,) = json.loads((output / records.HISTORY_FILE).read_text())
-    config = json.loads((output / records.RUN_RECORD_FILE).read_text())["config"]
+    (row,) = json.loads((output / files.HISTORY_FILE).read_text())
+    config = json.loads((output / files.RUN_RECORD_FILE).read_text())["config"]
     micro_batches = experiment.micro_batches_per_rank(config["train_size"], config["world_size"], config["batch_size"])
     validation_batches = math.ceil(math.ceil(config["validation_size"] / config["world_size"]) / config["batch_size"])
     return {
@@ -386,7 +389,7 @@ def main():
         "rows": [{"part": part, "measured_seconds": m, "floor_seconds": f, "efficiency": f / m} for part, m, f in rows],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(args.output, records.json_bytes(report))
+    files.write_atomic(args.output, files.json_bytes(report))
     print(f"\nwritten: {args.output}")
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from ddp_no_sync_lab.cli import LabError
 
-MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (sharded.py)
-TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (packed.py, docs/packed.md)
+MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (strategies/fsdp.py)
+TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (tasks/packed.py, docs/packed.md)
 # How the text task divides a micro-batch's mean token loss before backward(): by the window's global token
 # count over its own (tokens: every token weighs the same), or by the window's length (micro-batch: the bias).
 LOSS_NORMALIZATIONS = ("tokens", "micro-batch")
@@ -265,7 +265,7 @@ class CommSizes:
     gradient_tensor_bytes: tuple
     buffer_bytes: int
     buffer_dtype_groups: int
-    fsdp_unit_numels: tuple = ()  # under --strategy fsdp: each unit's padded elements (sharded.unit_numels)
+    fsdp_unit_numels: tuple = ()  # under --strategy fsdp: each unit's padded elements (fsdp.unit_numels)
 
     @property
     def gradient_bytes(self):
@@ -420,7 +420,7 @@ def expected_epoch_counts(config, mode, epoch, sizes, starts=((1, 0),)):
         "broadcast_bytes": buffer_syncs * sizes.buffer_bytes,
         "rebuild_broadcast_collectives": REBUILD_BROADCASTS * rebuilds,
         "used_map_allreduces": used_maps,
-        # checklist.py's SUM all-reduce of the ranks' local projections, one per optimizer step.
+        # audit/checklist.py's SUM all-reduce of the ranks' local projections, one per optimizer step.
         "witness_allreduces": sum(m.step for m in plan),
         **dict.fromkeys(FSDP_COUNTS, 0),
     }

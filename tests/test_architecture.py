@@ -1,6 +1,7 @@
-"""The house's rules, read from the source: the lab's modules in layers (ddp_no_sync_lab/__init__.py lists them, each
-importing only those above it in the list, and model.py, which imports nothing of the lab), the scripts on top,
-no import cycle, functions within 60 lines and modules within 500, and no `# fmt: skip`."""
+"""The house's rules, read from the source: the lab's modules in layers (ddp_no_sync_lab/__init__.py lists the
+shared modules and the folders bottom up, each folder's __init__.py its modules; each module imports only those
+listed above it, and model.py, which imports nothing of the lab), so no import goes back up a layer and none
+goes round a circle; the scripts on top; functions within 60 lines and modules within 500, and no `# fmt: skip`."""
 
 import ast
 import re
@@ -14,40 +15,63 @@ LAB = REPO / PACKAGE
 SCRIPTS = ["model.py", "train.py", "verify.py", "infer.py", "check_env.py"]
 
 
+def listed(folder):
+    """The entries a folder's __init__.py docstring lists, in order: `name` for a module, `name/` for a folder."""
+    docstring = ast.parse((folder / "__init__.py").read_text()).body[0].value.value  # as written, not dedented
+    return re.findall(r"^    ([a-z_]+/?)  +", docstring, re.M)
+
+
 def layer_order():
-    """The modules in the order ddp_no_sync_lab/__init__.py's docstring lists them."""
-    docstring = ast.get_docstring(ast.parse((LAB / "__init__.py").read_text()))
-    return re.findall(r"^    ([a-z_]+)  +", docstring, re.M)
+    """Every module of the package as a dotted name below it ("files", "tasks.data"), bottom up."""
+    order = []
+    for entry in listed(LAB):
+        if entry.endswith("/"):
+            order += [f"{entry[:-1]}.{module}" for module in listed(LAB / entry)]
+        else:
+            order.append(entry)
+    return order
+
+
+def module_path(name):
+    return LAB / f"{name.replace('.', '/')}.py"
 
 
 def imported_lab_modules(path):
-    """The lab modules and top-level scripts a file imports."""
+    """The lab modules (dotted below the package) and top-level scripts a file imports."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == PACKAGE:
-                found |= {alias.name for alias in node.names}
+            below = node.module.removeprefix(PACKAGE).lstrip(".")
+            if node.module == PACKAGE or (node.module.startswith(f"{PACKAGE}.") and (LAB / below).is_dir()):
+                found |= {f"{below}.{alias.name}".lstrip(".") for alias in node.names}
             elif node.module.startswith(f"{PACKAGE}."):
                 found.add(node.module.removeprefix(f"{PACKAGE}."))
             elif f"{node.module}.py" in SCRIPTS:
                 found.add(f"{node.module}.py")
         elif isinstance(node, ast.Import):
             found |= {f"{alias.name}.py" for alias in node.names if f"{alias.name}.py" in SCRIPTS}
+            assert not any(alias.name.startswith(PACKAGE) for alias in node.names), f"{path}: import {PACKAGE}.x as"
     return found
 
 
-def test_every_lab_module_is_listed_once():
-    listed = layer_order()
-    assert sorted(listed) == sorted(path.stem for path in LAB.glob("*.py") if path.stem != "__init__")
-    assert len(set(listed)) == len(listed)
+def test_every_lab_module_and_folder_is_listed_once():
+    order = layer_order()
+    present = {path.relative_to(LAB).with_suffix("").as_posix().replace("/", ".") for path in LAB.rglob("*.py")}
+    assert sorted(order) == sorted(name for name in present if not name.endswith("__init__"))
+    assert len(set(order)) == len(order)
+    folders = {path.parent.name for path in LAB.glob("*/__init__.py")}
+    assert folders == {entry[:-1] for entry in listed(LAB) if entry.endswith("/")}
 
 
-def test_each_lab_module_imports_only_the_modules_above_it_and_model():
+def test_each_lab_module_imports_only_the_modules_listed_above_it_and_model():
+    """No import back up a layer, none round a circle; a folder's __init__.py imports nothing (it is its list)."""
     order = layer_order()
     for position, name in enumerate(order):
-        imports = imported_lab_modules(LAB / f"{name}.py")
+        imports = imported_lab_modules(module_path(name))
         allowed = set(order[:position]) | {"model.py"}
         assert imports <= allowed, f"{PACKAGE}/{name}.py imports {sorted(imports - allowed)}, which are not above it"
+    for init in LAB.rglob("__init__.py"):
+        assert [node for node in ast.parse(init.read_text()).body if not isinstance(node, ast.Expr)] == [], init
 
 
 def test_model_imports_nothing_of_the_lab():
@@ -63,8 +87,8 @@ def test_no_script_is_imported_by_another_script_except_model():
 # picture or prints one table, which read best whole.
 FUNCTION_LINES, MODULE_ALARM = 60, 500
 WHOLE = {
-    "ddp_no_sync_lab/pictures.py::timeline_image": "a drawing",
-    "ddp_no_sync_lab/tables.py::print_tables": "a table",
+    "ddp_no_sync_lab/report/pictures.py::timeline_image": "a drawing",
+    "ddp_no_sync_lab/report/tables.py::print_tables": "a table",
 }
 
 
@@ -101,10 +125,11 @@ def test_the_architecture_page_lists_every_module_with_its_imports():
     """docs/architecture.md's module table: one row per module in the layers' order, its imports as they are."""
     order = layer_order()
     rows = re.findall(
-        r"^\| `ddp_no_sync_lab/([a-z_]+)\.py` \| .* \| ([^|]+) \|$", (REPO / "docs/architecture.md").read_text(), re.M
+        r"^\| `ddp_no_sync_lab/([a-z_/]+)\.py` \| .* \| ([^|]+) \|$", (REPO / "docs/architecture.md").read_text(), re.M
     )
-    assert [name for name, _ in rows] == order
-    for name, listed in rows:
-        imports = imported_lab_modules(LAB / f"{name}.py")
+    assert [path.replace("/", ".") for path, _ in rows] == order
+    for path, listed_imports in rows:
+        name = path.replace("/", ".")
+        imports = imported_lab_modules(module_path(name))
         expected = [module for module in order if module in imports] + ["model"] * ("model.py" in imports)
-        assert listed.strip() == (", ".join(expected) or "nothing of the lab"), name
+        assert listed_imports.strip() == (", ".join(expected) or "nothing of the lab"), name

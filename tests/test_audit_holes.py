@@ -27,7 +27,10 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from ddp_no_sync_lab import audit, experiment, launch, profiler, records, strict_audit
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.audit import instruments, profiler
+from ddp_no_sync_lab.checks import strict_audit
+from ddp_no_sync_lab.run import launch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -41,18 +44,18 @@ def test_the_fingerprint_does_not_depend_on_the_order_or_the_threads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = audit.fingerprint([values])
+        one_thread = instruments.fingerprint([values])
         torch.set_num_threads(2)
-        two_threads = audit.fingerprint([values])
+        two_threads = instruments.fingerprint([values])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, two_threads)
-    assert torch.equal(audit.fingerprint(torch.split(values, [100_000, 458_538])), one_thread)
+    assert torch.equal(instruments.fingerprint(torch.split(values, [100_000, 458_538])), one_thread)
 
 
 def test_one_ulp_and_a_swap_change_the_fingerprint():
     values = torch.randn(1000, generator=torch.Generator().manual_seed(1))
-    reference = audit.fingerprint([values])
+    reference = instruments.fingerprint([values])
     nudged = values.clone()
     nudged[500] = torch.nextafter(nudged[500], torch.tensor(float("inf")))
     swapped = values.clone()
@@ -60,14 +63,14 @@ def test_one_ulp_and_a_swap_change_the_fingerprint():
     across = [values[:10].clone(), values[10:].clone()]
     across[0][0], across[1][0] = across[1][0].item(), across[0][0].item()  # a swap between two tensors
     for changed in ([nudged], [swapped], across):
-        assert not torch.equal(audit.fingerprint(changed)[:2], reference[:2])
+        assert not torch.equal(instruments.fingerprint(changed)[:2], reference[:2])
     assert reference[2] == 0
 
 
 def test_non_finite_values_are_counted_not_hashed_away():
     values = torch.randn(100)
     values[[5, 50]] = torch.tensor([float("nan"), float("inf")])
-    assert audit.fingerprint([values])[2].item() == 2
+    assert instruments.fingerprint([values])[2].item() == 2
 
 
 def test_a_step_that_changes_nothing_and_non_finite_values_are_each_told_apart(one_process_group):
@@ -75,18 +78,18 @@ def test_a_step_that_changes_nothing_and_non_finite_values_are_each_told_apart(o
     parameters finite, parameters changed, a rank asked to stop]."""
     parameter = torch.nn.Parameter(torch.randn(10))
     parameter.grad = torch.randn(10)
-    before = audit.before_step([parameter])
+    before = instruments.before_step([parameter])
     with torch.no_grad():
         parameter.add_(1.0)
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, True, False]
-    before = audit.before_step([parameter])
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, False, False]
-    assert audit.ranks_agree(before, [parameter], None, stop_requested=True).tolist()[5] is True
+    assert instruments.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, True, False]
+    before = instruments.before_step([parameter])
+    assert instruments.ranks_agree(before, [parameter], None).tolist() == [True, True, True, True, False, False]
+    assert instruments.ranks_agree(before, [parameter], None, stop_requested=True).tolist()[5] is True
     parameter.grad[0] = float("nan")
     with torch.no_grad():
         parameter[0] = float("nan")
-    before = audit.before_step([parameter])
-    assert audit.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False, False]
+    before = instruments.before_step([parameter])
+    assert instruments.ranks_agree(before, [parameter], None).tolist() == [True, True, False, False, False, False]
 
 
 def test_the_steps_agreement_reads_nothing_from_the_host_and_nothing_back(one_process_group):
@@ -109,9 +112,9 @@ def test_the_steps_agreement_reads_nothing_from_the_host_and_nothing_back(one_pr
     parameter = torch.nn.Parameter(torch.randn(10))
     parameter.grad = torch.randn(10)
     for stop in (False, True):
-        before = audit.before_step([parameter])
+        before = instruments.before_step([parameter])
         with Dispatched() as seen:
-            verdict = audit.ranks_agree(before, [parameter], None, stop_requested=stop)
+            verdict = instruments.ranks_agree(before, [parameter], None, stop_requested=stop)
         assert verdict.tolist()[5] is stop
         assert "aten.full" in seen.operators  # the flag, filled on the device
         assert not seen.operators & {"aten.lift_fresh", "aten._local_scalar_dense", "a copy between devices"}
@@ -229,7 +232,7 @@ def documented_record(synthetic):
 
 def test_the_strict_audit_refuses_synthetic_data(tmp_path):
     strict_audit.check_real_data(tmp_path, documented_record(False))
-    with pytest.raises(records.AuditError) as caught:
+    with pytest.raises(files.AuditError) as caught:
         strict_audit.check_real_data(tmp_path, documented_record(True))
     assert str(caught.value) == (
         f"{tmp_path}/run.json: the run trained on synthetic data (tools/synthetic_data.py wrote data/synthetic), not "
@@ -239,7 +242,7 @@ def test_the_strict_audit_refuses_synthetic_data(tmp_path):
 
 def test_the_strict_audit_refuses_a_model_that_did_not_learn(tmp_path):
     report = {"model_test_accuracy": 0.1003, "baseline_accuracy": 0.1}
-    with pytest.raises(records.AuditError) as caught:
+    with pytest.raises(files.AuditError) as caught:
         strict_audit.check_learned(tmp_path, report)
     assert str(caught.value) == (
         f"{tmp_path}/report.json: test accuracy 0.1003 is below 0.5 (the majority baseline is 0.1000): the model "
@@ -298,13 +301,13 @@ def test_cuda_annotations_of_the_labels_are_not_counted_twice():
 
 def test_verify_requires_each_profiled_micro_batch_once(lab_runs, tmp_path):
     runs = copy_runs(lab_runs[0], tmp_path / "artifacts")
-    path = runs / "every" / records.PROFILE_FILE
+    path = runs / "every" / files.PROFILE_FILE
     profile = read_json(path)
     profile["ranks"][1]["micro_batches"].append(profile["ranks"][1]["micro_batches"][0])
     path.write_text(json.dumps(profile))
-    record_path = runs / "every" / records.RUN_RECORD_FILE
+    record_path = runs / "every" / files.RUN_RECORD_FILE
     record = read_json(record_path)
-    record["files"][records.PROFILE_FILE] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    record["files"][files.PROFILE_FILE] = {"bytes": path.stat().st_size, "sha256": files.sha256_file(path)}
     record_path.write_text(json.dumps(record))
     assert_one_line_error(
         verify(runs), "rank 1: the profiled micro-batches are labelled [8, 8, 9,", "not once each 8 to 15", code=1
@@ -314,7 +317,7 @@ def test_verify_requires_each_profiled_micro_batch_once(lab_runs, tmp_path):
 def test_every_ranks_trace_names_its_rank(lab_runs):
     artifacts, _ = lab_runs
     for mode in experiment.MODES:
-        for rank, name in enumerate(records.profile_trace_files(2)):
+        for rank, name in enumerate(files.profile_trace_files(2)):
             trace = json.loads((artifacts / mode / name).read_bytes())
             assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == 2
 
@@ -358,7 +361,7 @@ def test_a_teardown_that_hangs_is_ended_and_its_restart_does_not_train_again(ima
     ]
     assert "exitcode: -9" in result.stderr  # torchrun saw the first start killed, then restarted it
     report_lines = [json.loads(line) for line in result.stdout.splitlines() if '"model_test_accuracy"' in line]
-    record = read_json(output / records.RUN_RECORD_FILE)
+    record = read_json(output / files.RUN_RECORD_FILE)
     assert len(report_lines) == 1 and report_lines[0]["run_id"] == record["run_id"]
     assert f"train.py: run {record['run_id']} is finished; nothing left to do" in stderr_lines(result)
     assert "resuming" not in result.stderr

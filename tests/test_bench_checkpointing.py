@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from conftest import assert_one_line_error, run_python
-from ddp_no_sync_lab import memory
+from ddp_no_sync_lab.audit import memory
 from ddp_no_sync_lab.precision import choose_precision
 from model import MEMORY_FORMAT, CifarCNN
 

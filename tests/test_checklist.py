@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
-from ddp_no_sync_lab import certify, experiment, records, scale, strict_audit
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.audit import scale
+from ddp_no_sync_lab.checks import certify, strict_audit
 from model import CifarCNN
 from tools import synthetic_data
 
@@ -168,7 +170,7 @@ def test_strict_verify_holds_every_documented_key(tmp_path):
     path = tmp_path / "run.json"
     strict_audit.check_documented(path, dict(experiment.DOCUMENTED))
     for key, value in (("seed", 48), ("test_size", 100), ("learning_rate", 1e-3), ("augmentation", "none")):
-        with pytest.raises(records.AuditError) as caught:
+        with pytest.raises(files.AuditError) as caught:
             strict_audit.check_documented(path, {**experiment.DOCUMENTED, key: value})
         assert str(caught.value) == (
             f"{path}: config {key}={value!r} is not the documented experiment's {experiment.DOCUMENTED[key]!r}: run "
@@ -196,7 +198,7 @@ def test_a_run_recorded_without_the_witnesses_is_refused(lab_runs, tmp_path):
     del rows[1]["checklist"]
     path.write_text(json.dumps(rows))
     record = read_json(artifacts / "no_sync" / "run.json")
-    record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": files.sha256_file(path)}
     (artifacts / "no_sync" / "run.json").write_text(json.dumps(record))
     assert f"{path}: epoch row 2: checklist must hold the witnesses' observations" in refusal(verify(artifacts))
 
@@ -208,7 +210,7 @@ def edit_history(artifacts, mode, change):
     change(rows)
     path.write_text(json.dumps(rows))
     record = read_json(artifacts / mode / "run.json")
-    record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
+    record["files"]["history.json"] = {"bytes": path.stat().st_size, "sha256": files.sha256_file(path)}
     (artifacts / mode / "run.json").write_text(json.dumps(record))
     return path
 

@@ -29,8 +29,10 @@ from conftest import (
 from conftest import (
     train as train_run,
 )
-from ddp_no_sync_lab import audit, experiment, memory
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit import memory
 from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.strategies import ddp
 from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, STEPS = 8, 4, 3
@@ -187,14 +189,14 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
             forward_loss(ddp_model, inputs.requires_grad_(), targets).backward()
     finally:
         dist.destroy_process_group()
-    explained = audit.explain_ddp_error(caught.value)
+    explained = ddp.explain_ddp_error(caught.value)
     assert explained.line("train.py") == (
         "RuntimeError: DDP saw a parameter's gradient twice in one backward (\"Expected to mark a variable ready "
         'only once"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), '
         "as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing gives no gradient to a stage "
         "whose input needs none and, with find_unused_parameters=True, marks its parameters ready twice"
     )
-    assert audit.explain_ddp_error(RuntimeError("CUDA out of memory")) is None
+    assert ddp.explain_ddp_error(RuntimeError("CUDA out of memory")) is None
 
 
 # ----------------------------------------------------------------------------- the real train.py

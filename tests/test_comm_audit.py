@@ -10,12 +10,15 @@ import torch
 
 import train
 from conftest import WORKERS, assert_ok, torchrun
-from ddp_no_sync_lab import audit, cli, experiment
+from ddp_no_sync_lab import cli, experiment
+from ddp_no_sync_lab.audit import instruments
+from ddp_no_sync_lab.strategies import ddp
 from model import CifarCNN
 
 EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and its confusion matrix
-# train_epoch adds two small all-reduces per optimizer step: the ranks' fingerprints (audit.ranks_agree) and the
-# checklist's projections of the ranks' local gradients (ddp_no_sync_lab.checklist), counted as witness_allreduces.
+# train_epoch adds two small all-reduces per optimizer step: the ranks' fingerprints (instruments.ranks_agree) and the
+# checklist's projections of the ranks' local gradients (ddp_no_sync_lab.audit.checklist), counted as
+# witness_allreduces.
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +120,8 @@ def test_collective_time_adds_up_when_callbacks_run_on_several_threads_at_once(m
         time.sleep(0)
         return 1.0
 
-    monkeypatch.setattr(audit.time, "perf_counter", clock_that_yields)
-    clock = audit.CollectiveClock("cpu")
+    monkeypatch.setattr(instruments.time, "perf_counter", clock_that_yields)
+    clock = instruments.CollectiveClock("cpu")
     stops_per_thread = 2_000
 
     def stop_many():
@@ -163,17 +166,17 @@ def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_cal
 def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_group, change, named):
     """The settings DDP holds, read back from the wrapper, against the run's (here the documented ones)."""
     cpu, documented = torch.device("cpu"), experiment.DDP_DEFAULTS
-    audit.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0], documented)  # the lab's own wrapping passes
+    ddp.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0], documented)  # the lab's own wrapping passes
     hooks = change.pop("hooks", "counting")
     comm_hook = change.pop("comm_hook", "allreduce")
-    ddp_model = audit.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, **change})
-    ddp_model.comm_audit = audit.CommAudit(1, comm_hook=comm_hook)
+    ddp_model = ddp.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, **change})
+    ddp_model.comm_audit = instruments.CommAudit(1, comm_hook=comm_hook)
     if hooks != "none":
         ddp_model.register_comm_hook(ddp_model.comm_audit, train.counting_allreduce_hook)
     if hooks == "buffer":
         ddp_model._register_buffer_comm_hook(None, lambda state, buffers: [])
     with pytest.raises(cli.LabError) as caught:
-        audit.check_ddp_settings(ddp_model, documented)
+        ddp.check_ddp_settings(ddp_model, documented)
     message = str(caught.value)
     assert message.startswith("DDP is wrapped with settings the audit's expected counts do not assume: ")
     assert named in message and message.endswith("or change experiment.expected_epoch_counts with them")

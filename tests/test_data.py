@@ -20,7 +20,8 @@ from conftest import (
     write_png_with_a_damaged_chunk,
 )
 from conftest import train as run_train
-from ddp_no_sync_lab import cli, data
+from ddp_no_sync_lab import cli
+from ddp_no_sync_lab.tasks import data
 from tools import synthetic_data
 
 

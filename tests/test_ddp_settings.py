@@ -18,7 +18,7 @@ from conftest import (
     train_pair,
     verify,
 )
-from ddp_no_sync_lab import experiment, records
+from ddp_no_sync_lab import experiment, files
 from model import CifarCNN
 
 GRADIENT_BYTES = 558_538 * 4
@@ -133,14 +133,14 @@ def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path
     artifacts = tmp_path / "artifacts"
     levers = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-buffers"]
     train_pair(image_data, artifacts, *levers, "--quiet")
-    config = read_json(artifacts / "every" / records.RUN_RECORD_FILE)["config"]
+    config = read_json(artifacts / "every" / files.RUN_RECORD_FILE)["config"]
     assert {name: config[name] for name in experiment.DDP_DEFAULTS} == {
         **experiment.DDP_DEFAULTS,
         "comm_hook": "bf16",
         "bucket_cap_mb": 0.5,
         "broadcast_buffers": False,
     }
-    rows = read_json(artifacts / "no_sync" / records.HISTORY_FILE)
+    rows = read_json(artifacts / "no_sync" / files.HISTORY_FILE)
     # 0.5 MiB buckets: 3 per sync but for the run's first, in one bucket before DDP rebuilds them.
     assert [(row["gradient_syncs"], row["sync_bucket_calls"], row["allreduce_bytes"]) for row in rows] == [
         (5, 1 + 4 * 3, 5 * GRADIENT_BYTES // 2),
@@ -150,7 +150,7 @@ def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path
     assert_ok(verify(artifacts))
     mixed = tmp_path / "mixed"
     shutil.copytree(artifacts, mixed)
-    run_record = mixed / "no_sync" / records.RUN_RECORD_FILE
+    run_record = mixed / "no_sync" / files.RUN_RECORD_FILE
     record = read_json(run_record)
     record["config"]["comm_hook"] = "fp16"
     run_record.write_text(json.dumps(record))

@@ -26,7 +26,7 @@ from conftest import (
     train,
     train_in_one_start,
 )
-from ddp_no_sync_lab import records
+from ddp_no_sync_lab import files
 from model import CLASSES, CifarCNN, eval_transform
 from tools import synthetic_data
 
@@ -137,23 +137,23 @@ def test_run_folder_is_complete_and_sealed(lab_runs):
     artifacts, _ = lab_runs
     for mode in EXPECTED:
         folder = artifacts / mode
-        record = read_json(folder / records.RUN_RECORD_FILE)
+        record = read_json(folder / files.RUN_RECORD_FILE)
         # The shared runs are profiled (conftest): the summary and one trace per rank.
-        profile_files = [records.PROFILE_FILE, *records.profile_trace_files(2)]
+        profile_files = [files.PROFILE_FILE, *files.profile_trace_files(2)]
         assert sorted(path.name for path in folder.iterdir()) == sorted(
-            [*records.RUN_FILES, *profile_files, records.RUN_RECORD_FILE]
+            [*files.RUN_FILES, *profile_files, files.RUN_RECORD_FILE]
         )
-        assert sorted(record["files"]) == sorted([*records.RUN_FILES, *profile_files])
+        assert sorted(record["files"]) == sorted([*files.RUN_FILES, *profile_files])
         for name, entry in record["files"].items():
-            assert entry["sha256"] == records.sha256_file(folder / name)
+            assert entry["sha256"] == files.sha256_file(folder / name)
         checkpoint = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         assert checkpoint["run_id"] == record["run_id"] == read_json(folder / "report.json")["run_id"]
-        assert records.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
+        assert files.png_text(folder / "sample_test.png")["run_id"] == record["run_id"]
         config = record["config"]
         assert (config["world_size"], config["batch_size"], config["accum_steps"], config["epochs"]) == (2, 4, 4, 2)
         assert (config["train_size"], config["validation_size"], config["test_size"]) == (160, 40, TEST_IMAGES)
         assert (config["device"], config["backend"]) == ("cpu", "gloo")
-        assert records.unfinished_runs(folder) == []
+        assert files.unfinished_runs(folder) == []
 
 
 def test_progress_goes_to_stderr_and_quiet_silences_it(lab_runs):
@@ -234,7 +234,7 @@ def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_
     artifacts, _ = lab_runs
     assert_ok(train(image_data, tmp_path / mode, mode, "--quiet"))
     folders = (artifacts / mode, tmp_path / mode)
-    assert (folders[0] / records.PROFILE_FILE).is_file()
+    assert (folders[0] / files.PROFILE_FILE).is_file()
     assert not [path.name for path in folders[1].iterdir() if path.name.startswith("profile")]
     first, second = (read_json(folder / "history.json") for folder in folders)
     assert [{k: v for k, v in row.items() if k not in TIMING} for row in first] == [

@@ -150,7 +150,8 @@ def test_under_bfloat16_autocast_the_comparison_still_catches_a_broken_accumulat
 @pytest.mark.torchrun
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp_float64_every_step_matches_the_plain_sum(results, mode):
-    """--strategy fsdp (ddp_no_sync_lab/sharded.py) in both modes: one process's updates to rounding, every step."""
+    """--strategy fsdp (ddp_no_sync_lab/strategies/fsdp.py) in both modes: one process's updates to rounding, every
+    step."""
     steps, syncs = CASES["full_windows"]
     variant = results["float64"]["fsdp"][mode]
     assert variant["steps"] == variant["reference_steps"] == steps

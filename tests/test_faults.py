@@ -22,8 +22,9 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from ddp_no_sync_lab import experiment, launch, records
+from ddp_no_sync_lab import experiment, files
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.run import launch
 
 
 def test_plain_python_stops_with_the_documents_world_size_message(tmp_path):
@@ -86,7 +87,7 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
     result = train(image_data, tmp_path / "out", "every", "--batch-size", "12")
     line = assert_train_error(result, "RuntimeError: 7 micro-batch-uri nu se împart exact la accum_steps=4")
     assert "--partial-window scale" in line
-    assert not tmp_path.joinpath("out").exists() and records.unfinished_runs(tmp_path / "out") == []
+    assert not tmp_path.joinpath("out").exists() and files.unfinished_runs(tmp_path / "out") == []
 
 
 @pytest.mark.torchrun
@@ -114,11 +115,11 @@ def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
     audit = verify(artifacts)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"
-    assert read_json(artifacts / "every" / records.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
+    assert read_json(artifacts / "every" / files.RUN_RECORD_FILE)["config"]["seed"] == 2**64 - 2
     # The short window's micro-batches hold 12, 12 and 8 images: per sample (the default), each mean loss is
     # divided by 32 over its own, as the witness read at each loss (the full window keeps the document's 4).
     for mode in ("every", "no_sync"):
-        row = read_json(artifacts / mode / records.HISTORY_FILE)[0]
+        row = read_json(artifacts / mode / files.HISTORY_FILE)[0]
         for rank in row["checklist"]["ranks"]:
             assert rank["loss_divisors"] == [[0, 4, 4], [4, 6, 2.666667], [6, 7, 4]]
 
@@ -164,7 +165,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     artifacts, _ = lab_runs
     output = tmp_path / "every"
     shutil.copytree(artifacts / "every", output)
-    previous_run = read_json(output / records.RUN_RECORD_FILE)["run_id"]
+    previous_run = read_json(output / files.RUN_RECORD_FILE)["run_id"]
     launcher = start_long_run(output, image_data)
     try:
         os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
@@ -177,8 +178,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs,
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
     # The output still holds the previous complete run; the interrupted one is only a partial folder.
-    assert read_json(output / records.RUN_RECORD_FILE)["run_id"] == previous_run
-    assert len(records.unfinished_runs(output)) == 1
+    assert read_json(output / files.RUN_RECORD_FILE)["run_id"] == previous_run
+    assert len(files.unfinished_runs(output)) == 1
     shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
     audit = verify(tmp_path)
     assert audit.returncode == 0, audit.stdout + audit.stderr
@@ -203,7 +204,7 @@ def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_a
             "wait for it to finish, or pass another --output",
         )
         assert first.poll() is None, "the first run died"
-        assert len(records.unfinished_runs(output)) == 1  # the first run's partial folder, untouched
+        assert len(files.unfinished_runs(output)) == 1  # the first run's partial folder, untouched
     finally:
         stop_run(first)
 

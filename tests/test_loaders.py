@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, train, verify
-from ddp_no_sync_lab import cli, data, loaders, records
+from ddp_no_sync_lab import cli, files
+from ddp_no_sync_lab.tasks import data, loaders
 from tools import synthetic_data
 
 CPU = torch.device("cpu")
@@ -173,7 +174,7 @@ def test_a_cache_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_pat
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(records.os, "fsync", full_disk)
+    monkeypatch.setattr(files.os, "fsync", full_disk)
     data.prepare_data(root)
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"data: could not cache the decoded images in {root}/.decoded-")
@@ -223,12 +224,10 @@ def test_temporary_names_are_unique_even_for_equal_pids(tmp_path, monkeypatch):
     """Nodes that share a folder may run processes of equal pid (containers): their temporary files differ."""
     used = []
     real_replace = os.replace
-    monkeypatch.setattr(records.os, "getpid", lambda: 7)
-    monkeypatch.setattr(
-        records.os, "replace", lambda source, target: used.append(source) or real_replace(source, target)
-    )
+    monkeypatch.setattr(files.os, "getpid", lambda: 7)
+    monkeypatch.setattr(files.os, "replace", lambda source, target: used.append(source) or real_replace(source, target))
     for _ in range(2):
-        records.write_atomic(tmp_path / "cache.npz", b"data")
+        files.write_atomic(tmp_path / "cache.npz", b"data")
     assert len(set(used)) == 2
 
 
@@ -259,10 +258,10 @@ def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_lo
     shutil.copytree(artifacts / "every", mixed / "every")
     result = assert_ok(train(image_data, mixed / "no_sync", "no_sync", "--loader", "pil", "--quiet"))
     rows = [json.loads(line) for line in result.stdout.splitlines()[:2]]
-    tensor_rows = read_json(artifacts / "no_sync" / records.HISTORY_FILE)
+    tensor_rows = read_json(artifacts / "no_sync" / files.HISTORY_FILE)
     counts = ("optimizer_steps", "gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes")
     assert [[row[key] for key in counts] for row in rows] == [[row[key] for key in counts] for row in tensor_rows]
-    record = read_json(mixed / "no_sync" / records.RUN_RECORD_FILE)
+    record = read_json(mixed / "no_sync" / files.RUN_RECORD_FILE)
     assert record["config"]["loader"] == "pil" and record["config"]["train_size"] == SOURCE_IMAGES * 4 // 5
     audit = verify(mixed)
     assert_one_line_error(audit, "come from different configurations (loader: 'tensor' vs 'pil')", code=1)

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from ddp_no_sync_lab import cli, experiment, records
+from ddp_no_sync_lab import cli, experiment, files
+from ddp_no_sync_lab.run import records
 from model import CIFAR10_MEAN, CIFAR10_STD, CLASSES, CifarCNN
 
 # Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.
@@ -139,19 +140,19 @@ def test_bucket_rebuild_happens_at_the_first_training_forward_after_a_sync():
 def test_run_folder_publishes_all_at_once_and_clears_stale_partials(tmp_path):
     output = tmp_path / "every"
     output.mkdir()
-    (output / records.HISTORY_FILE).write_text("[] (the previous run)")
+    (output / files.HISTORY_FILE).write_text("[] (the previous run)")
     stale = tmp_path / ".every.partial-killedrun"
     stale.mkdir()
-    folder = records.RunFolder(output, "newrun")
+    folder = files.RunFolder(output, "newrun")
     folder.begin()
     assert not stale.exists() and folder.partial.is_dir()
-    folder.write(records.HISTORY_FILE, b"[]\n")
-    assert (output / records.HISTORY_FILE).read_text() == "[] (the previous run)"  # untouched until published
+    folder.write(files.HISTORY_FILE, b"[]\n")
+    assert (output / files.HISTORY_FILE).read_text() == "[] (the previous run)"  # untouched until published
     folder.publish({"run_id": "newrun"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["every"]  # no partial or replaced folder left
-    record = json.loads((output / records.RUN_RECORD_FILE).read_text())
+    record = json.loads((output / files.RUN_RECORD_FILE).read_text())
     assert record["run_id"] == "newrun"
-    assert record["files"][records.HISTORY_FILE]["sha256"] == records.sha256_file(output / records.HISTORY_FILE)
+    assert record["files"][files.HISTORY_FILE]["sha256"] == files.sha256_file(output / files.HISTORY_FILE)
 
 
 def test_top_confusions_are_off_diagonal_by_count_then_class_order():

@@ -30,7 +30,7 @@ from conftest import (
     subprocess_env,
     verify,
 )
-from ddp_no_sync_lab import launch
+from ddp_no_sync_lab.run import launch
 from test_faults import rank_pid
 from tools import loopback
 
@@ -271,7 +271,16 @@ def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data)
 def test_the_code_every_node_must_share_is_every_python_file_of_the_package_in_its_subfolders_too(
     tmp_path, monkeypatch
 ):
-    """The hash a node compares covers train.py, model.py and each Python file beneath the package, at any depth."""
+    """The hash a node compares covers train.py, model.py and each Python file beneath the package, at any depth:
+    this checkout's own, then a made-up tree's."""
+    package_files = sorted((REPO / "ddp_no_sync_lab").rglob("*.py"))
+    assert [path.relative_to(REPO).as_posix() for path in package_files if path.parent.name == "run"] == [
+        "ddp_no_sync_lab/run/__init__.py",
+        "ddp_no_sync_lab/run/launch.py",
+        "ddp_no_sync_lab/run/records.py",
+        "ddp_no_sync_lab/run/resume.py",
+    ]
+    assert launch.hashed_code() == [REPO / "train.py", REPO / "model.py", *package_files]
     package = tmp_path / "package"
     for name in (
         "train.py",
@@ -302,13 +311,13 @@ def test_the_code_every_node_must_share_is_every_python_file_of_the_package_in_i
 
 @pytest.mark.torchrun
 def test_a_node_running_other_code_stops_both(tmp_path, image_data):
-    """Node 1 runs a stale checkout: its ddp_no_sync_lab/audit.py differs by one comment."""
+    """Node 1 runs a stale checkout: its ddp_no_sync_lab/audit/instruments.py differs by one comment."""
     node0, node1 = node_folders(tmp_path, image_data)
     stale = tmp_path / "stale-checkout"
     shutil.copytree(
         REPO, stale, ignore=shutil.ignore_patterns(".git", ".venv*", "artifacts", "data", "__pycache__", "tests")
     )
-    with open(stale / "ddp_no_sync_lab" / "audit.py", "a") as source:
+    with open(stale / "ddp_no_sync_lab" / "audit" / "instruments.py", "a") as source:
         source.write("# an edit this node alone has\n")
     results, seconds = two_nodes([node0, node1], *same_run("every"), checkouts=(REPO, stale))
     assert_both_nodes_stop(

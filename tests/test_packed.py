@@ -26,8 +26,10 @@ from conftest import (
     torchrun,
     train_in_one_start,
 )
-from ddp_no_sync_lab import certify, experiment, packed, records
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.checks import certify
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.tasks import packed
 
 CHARACTERS = 300
 TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
@@ -123,7 +125,7 @@ def test_packing_keeps_every_document_whole_and_masks_boundaries_and_padding():
 
 
 def packed_mask(tokens):
-    from ddp_no_sync_lab.language import same_document
+    from ddp_no_sync_lab.tasks.language import same_document
 
     return same_document(torch.tensor([tokens]))[0, 0].int()
 
@@ -181,10 +183,10 @@ def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(docu
     assert "| no_sync | 32 | 32 | 32 | 2 |" in checked.stdout
     # Each token weighed exactly its share: the divisor read at each loss is the window's tokens.
     assert "| every | 44-1024 | 172-6804 | 1.0000x-1.0000x |" in checked.stdout
-    config = read_json(documented / "tokens" / "every" / records.RUN_RECORD_FILE)["config"]
+    config = read_json(documented / "tokens" / "every" / files.RUN_RECORD_FILE)["config"]
     assert (config["task"], config["loss_normalization"], config["train_size"]) == ("text", "tokens", 194)
     for mode, syncs in (("every", 13), ("no_sync", 4)):
-        history = read_json(documented / "tokens" / mode / records.HISTORY_FILE)
+        history = read_json(documented / "tokens" / mode / files.HISTORY_FILE)
         assert len(history) == 8
         for epoch, row in enumerate(history):
             assert (row["gradient_syncs"], row["optimizer_steps"]) == (syncs, 4)
@@ -192,7 +194,7 @@ def test_the_documented_text_pair_passes_the_strict_audit_with_exact_counts(docu
             for rank in row["checklist"]["ranks"]:
                 assert [v for v, n in rank["step_tokens"] for _ in range(n)] == window_tokens
                 assert sum(v * n for v, n in rank["micro_batch_tokens"]) < sum(window_tokens)
-        report = read_json(documented / "tokens" / mode / records.REPORT_FILE)
+        report = read_json(documented / "tokens" / mode / files.REPORT_FILE)
         assert report["model_test_perplexity"] == math.exp(report["model_test_loss"])
         assert report["model_test_loss"] < report["baseline_loss"] and report["continuation"]["greedy"]
 
@@ -238,8 +240,8 @@ def test_a_resumed_text_run_is_the_uninterrupted_one_bit_for_bit(one_epoch, tmp_
     )
     assert_ok(result)
     assert "train.py: resuming" in result.stderr and "epoch 1, micro-batch 8, from its saved state" in result.stderr
-    resumed = torch.load(output / records.MODEL_FILE, weights_only=True)["model"]
-    uninterrupted = torch.load(one_epoch / "every" / records.MODEL_FILE, weights_only=True)["model"]
+    resumed = torch.load(output / files.MODEL_FILE, weights_only=True)["model"]
+    uninterrupted = torch.load(one_epoch / "every" / files.MODEL_FILE, weights_only=True)["model"]
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
 
 
@@ -272,8 +274,8 @@ def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
     ],
 )
 def test_verify_holds_the_packing_to_what_packing_must_keep(monkeypatch, broken, refusal):
-    """verify.py packs the run's corpus again and checks it without ddp_no_sync_lab/packed.py's logic: a packing that shifts
-    its targets, or loses a row's last target (a long document's rows not overlapping), is refused."""
+    """verify.py packs the run's corpus again and checks it without ddp_no_sync_lab/tasks/packed.py's logic: a packing
+    that shifts its targets, or loses a row's last target (a long document's rows not overlapping), is refused."""
     source = packed.load_corpus()
     sizes = packed.make_split(source, 47, 0, 2).sizes
     config = {
@@ -297,6 +299,6 @@ def test_verify_holds_the_packing_to_what_packing_must_keep(monkeypatch, broken,
 
     monkeypatch.setattr(packed, "pack", broken_pack)
     certify.recomputed_packing.cache_clear()
-    with pytest.raises(records.AuditError, match=refusal):
+    with pytest.raises(files.AuditError, match=refusal):
         certify.check_text_data("run.json", config, strict=True)
     certify.recomputed_packing.cache_clear()

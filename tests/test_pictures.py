@@ -7,8 +7,9 @@ import pytest
 from PIL import Image
 
 from conftest import copy_runs, read_json, verify
-from ddp_no_sync_lab import experiment, records, tables
-from ddp_no_sync_lab.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.report import tables
+from ddp_no_sync_lab.report.pictures import COLLECTIVE_COLOURS, MODE_COLOURS
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def luminance(pixel):
 
 def test_confusion_matrix_picture_shows_the_reports_matrix(audited):
     for mode in experiment.MODES:
-        image, data = picture(audited / mode / records.CONFUSION_FILE)
+        image, data = picture(audited / mode / files.CONFUSION_FILE)
         report = read_json(audited / mode / "report.json")
         assert image.size == (702, 726)
         assert image.text["run_id"] == report["run_id"]
@@ -100,7 +101,7 @@ def test_timeline_picture_shows_one_window_per_mode_one_lane_per_rank(audited):
         "no_sync: window 3 of epoch 1 (micro-batches 8-11)",
     ]
     for panel, mode, gradient_all_reduces in zip(data["panels"], experiment.MODES, (4, 1)):
-        profile = read_json(audited / mode / records.PROFILE_FILE)
+        profile = read_json(audited / mode / files.PROFILE_FILE)
         assert [lane["label"] for lane in panel["lanes"]] == ["rank 0", "rank 1"]
         for lane, summary in zip(panel["lanes"], profile["ranks"]):
             assert lane["counts"] == {

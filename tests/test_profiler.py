@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, train, verify
-from ddp_no_sync_lab import records, tables
+from ddp_no_sync_lab import files
+from ddp_no_sync_lab.report import tables
 
 # Micro-batches 8-15 hold 2 windows of 4: every synchronizes all 8, no_sync the last of each window (11, 15);
 # each window ends in one optimizer step, with the checklist's average-witness all-reduce (in its pre-hook) and
@@ -28,7 +29,7 @@ def runs(lab_runs, tmp_path):
 def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_windows(lab_runs):
     artifacts, _ = lab_runs
     for mode, calls in EXPECTED_CALLS.items():
-        profile = read_json(artifacts / mode / records.PROFILE_FILE)
+        profile = read_json(artifacts / mode / files.PROFILE_FILE)
         assert (profile["windows"], profile["micro_batches"]) == (2, [8, 16])
         assert [summary["rank"] for summary in profile["ranks"]] == [0, 1]
         for summary in profile["ranks"]:
@@ -55,7 +56,7 @@ def test_each_rank_records_the_calls_and_their_executions_in_the_profiled_window
 
 def test_each_ranks_trace_opens_as_a_chrome_trace_of_the_profiled_micro_batches(lab_runs):
     artifacts, _ = lab_runs
-    for (mode, calls), trace in itertools.product(EXPECTED_CALLS.items(), records.profile_trace_files(2)):
+    for (mode, calls), trace in itertools.product(EXPECTED_CALLS.items(), files.profile_trace_files(2)):
         events = json.loads((artifacts / mode / trace).read_bytes())["traceEvents"]
         names = [event.get("name") for event in events]
         assert sorted(name for name in names if name.startswith("micro-batch ")) == sorted(
@@ -71,9 +72,9 @@ def reseal(folder, name, change):
     value = read_json(path)
     change(value)
     path.write_text(json.dumps(value))
-    record = read_json(folder / records.RUN_RECORD_FILE)
-    record["files"][name] = {"bytes": path.stat().st_size, "sha256": records.sha256_file(path)}
-    (folder / records.RUN_RECORD_FILE).write_text(json.dumps(record))
+    record = read_json(folder / files.RUN_RECORD_FILE)
+    record["files"][name] = {"bytes": path.stat().st_size, "sha256": files.sha256_file(path)}
+    (folder / files.RUN_RECORD_FILE).write_text(json.dumps(record))
 
 
 def audit(artifacts):
@@ -83,7 +84,7 @@ def audit(artifacts):
 def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
     reseal(
         runs / "no_sync",
-        records.PROFILE_FILE,
+        files.PROFILE_FILE,
         lambda profile: profile["ranks"][1]["calls"].update({"c10d::allreduce_": 5}),
     )
     assert_one_line_error(
@@ -96,7 +97,7 @@ def test_a_profiler_count_that_disagrees_with_the_audit_fails(runs):
 
 
 def test_an_audit_that_disagrees_with_the_positions_fails(runs):
-    reseal(runs / "every", records.PROFILE_FILE, lambda profile: profile["ranks"][0]["audit"].update(gradient_syncs=7))
+    reseal(runs / "every", files.PROFILE_FILE, lambda profile: profile["ranks"][0]["audit"].update(gradient_syncs=7))
     assert_one_line_error(
         audit(runs),
         "rank 0: the audit counted 7 gradient syncs in epoch 1, micro-batches 8-15, the history's positions put 8 there",
@@ -107,22 +108,22 @@ def test_an_audit_that_disagrees_with_the_positions_fails(runs):
 def test_a_call_that_gloo_never_executed_fails(runs):
     reseal(
         runs / "every",
-        records.PROFILE_FILE,
+        files.PROFILE_FILE,
         lambda profile: profile["ranks"][0]["executions"].update({"c10d::broadcast_": 15}),
     )
     assert_one_line_error(audit(runs), "rank 0: 16 c10d::broadcast_ calls but 15 executions on gloo's threads", code=1)
 
 
 def test_a_profile_that_is_not_the_runs_own_fails(runs):
-    (runs / "every" / records.PROFILE_FILE).unlink()
-    record = read_json(runs / "every" / records.RUN_RECORD_FILE)
-    del record["files"][records.PROFILE_FILE]
-    (runs / "every" / records.RUN_RECORD_FILE).write_text(json.dumps(record))
+    (runs / "every" / files.PROFILE_FILE).unlink()
+    record = read_json(runs / "every" / files.RUN_RECORD_FILE)
+    del record["files"][files.PROFILE_FILE]
+    (runs / "every" / files.RUN_RECORD_FILE).write_text(json.dumps(record))
     result = audit(runs)  # one run profiled and the other not: audited, but no timeline
     assert result.returncode == 0, result.stderr
     assert "note: timeline.png needs both runs profiled (train.py --profile-windows K); every was not" in result.stdout
     assert not (runs / tables.TIMELINE_FILE).exists()
-    (runs / "every" / records.PROFILE_FILE).write_bytes((runs / "no_sync" / records.PROFILE_FILE).read_bytes())
+    (runs / "every" / files.PROFILE_FILE).write_bytes((runs / "no_sync" / files.PROFILE_FILE).read_bytes())
     assert_one_line_error(
         audit(runs), f"{runs}/every/profile.json: is not listed in run.json: it does not come from this run", code=1
     )
@@ -136,7 +137,7 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
         "--profile-windows 4 needs 6 windows of 4 micro-batches in an epoch (one skipped, one of warm-up, 4 profiled); "
         "an epoch here has 20 micro-batches: pass --profile-windows 3 or less",
     )
-    assert not (tmp_path / "out").exists() and records.unfinished_runs(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists() and files.unfinished_runs(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize(
@@ -157,5 +158,5 @@ def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
     ],
 )
 def test_a_profile_with_malformed_spans_is_one_line(runs, change, message):
-    reseal(runs / "every", records.PROFILE_FILE, lambda profile: change(profile["ranks"][1]))
+    reseal(runs / "every", files.PROFILE_FILE, lambda profile: change(profile["ranks"][1]))
     assert_one_line_error(audit(runs), f"{runs}/every/profile.json: {message}", code=1)

@@ -23,7 +23,8 @@ from conftest import (
     train,
     verify,
 )
-from ddp_no_sync_lab import records, resume
+from ddp_no_sync_lab import files
+from ddp_no_sync_lab.run import resume
 from test_faults import rank_pid, stop_run
 from test_nodes import node_folders, start_nodes, two_nodes
 
@@ -111,7 +112,7 @@ def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted
     lines = [line for line in stderr.splitlines() if "preempted at epoch" in line]
     assert lines == ["train.py: preempted at epoch 2, window 2: its state is saved; resume with --resume"]
     assert code != 0  # torchrun reports the signal it got; the ranks exited with resume.PREEMPTED_EXIT_CODE
-    (partial,) = records.unfinished_runs(output)
+    (partial,) = files.unfinished_runs(output)
     state, record = newest_save(partial)
     saved = read_json(record)
     assert (saved["epoch"], saved["micro_batch"]) == (2, 8)
@@ -138,7 +139,7 @@ def test_resume_finishes_the_preempted_run_bit_for_bit(preempted, uninterrupted,
 def preempted_copy(preempted, tmp_path):
     output, _, _, _ = preempted
     shutil.copytree(output.parent, tmp_path / "artifacts")
-    (partial,) = records.unfinished_runs(tmp_path / "artifacts" / "no_sync")
+    (partial,) = files.unfinished_runs(tmp_path / "artifacts" / "no_sync")
     return tmp_path / "artifacts" / "no_sync", partial
 
 
@@ -197,8 +198,8 @@ def test_only_this_job_and_this_configuration_count_as_finished(tmp_path):
     mode: a later job (another token, even with the same --rdzv-id), other options or the other mode train
     again; --resume (no job named) takes any job's."""
     config = {"epochs": 2, "hardware": ["CPU AVX2"]}
-    (tmp_path / records.RUN_RECORD_FILE).write_bytes(
-        records.json_bytes({"run_id": "r1", "mode": "every", "config": config, "launch_id": "job-a"})
+    (tmp_path / files.RUN_RECORD_FILE).write_bytes(
+        files.json_bytes({"run_id": "r1", "mode": "every", "config": config, "launch_id": "job-a"})
     )
     ours = {**config, "mode": "every"}
     assert resume.finished_run(tmp_path, {**ours, "hardware": ["CPU AVX512"]}, "job-a") == "r1"
@@ -225,7 +226,7 @@ def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_i
     artifacts = tmp_path / "artifacts"
     for mode in MODES:  # an earlier no_sync run in the output: the publish replaces it
         shutil.copytree(uninterrupted / mode, artifacts / mode)
-    previous = read_json(artifacts / "no_sync" / records.RUN_RECORD_FILE)["run_id"]
+    previous = read_json(artifacts / "no_sync" / files.RUN_RECORD_FILE)["run_id"]
     kills = "saved:1,saving:4,saved:1,eval:1,eval:2,publish"
     result = train(
         image_data,
@@ -243,12 +244,12 @@ def test_kills_at_every_boundary_resume_bit_for_bit_and_an_interrupted_publish_i
         f"epoch {epoch}, micro-batch {index}, from its saved state"
         for epoch, index in [(1, 4), (1, 16), (2, 0), (2, 16), (3, 0)]
     ]
-    record = read_json(artifacts / "no_sync" / records.RUN_RECORD_FILE)
+    record = read_json(artifacts / "no_sync" / files.RUN_RECORD_FILE)
     assert record["run_id"] != previous
     assert f"train.py: run {record['run_id']} was complete but not yet in place; published it into " in result.stderr
     assert f"train.py: run {record['run_id']} is finished; nothing left to do" in result.stderr
     assert sorted(path.name for path in artifacts.iterdir()) == [".no_sync.lock", "every", "no_sync"]
-    assert all(records.is_artifact(path.name) for path in (artifacts / "no_sync").iterdir())
+    assert all(files.is_artifact(path.name) for path in (artifacts / "no_sync").iterdir())
     history = same_run(uninterrupted / "no_sync", artifacts / "no_sync")
     assert [row["resumed_at"] for row in history] == [[4, 16], [0, 16]]
     assert [(segment["epoch"], segment["micro_batch"]) for segment in record["segments"]] == [
@@ -280,7 +281,7 @@ def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into
     stopped = train(image_data, output, "no_sync", "--quiet", env=subprocess_env(LAB_TEST_KILL_AT="term:18"))
     assert stopped.returncode != 0
     assert "train.py: preempted after epoch 1: its state is saved; resume with --resume" in stopped.stderr
-    (partial,) = records.unfinished_runs(output)
+    (partial,) = files.unfinished_runs(output)
     _, record = newest_save(partial)
     assert (read_json(record)["epoch"], read_json(record)["micro_batch"]) == (2, 0)
     refused = train(image_data, output, "every", "--bucket-cap-mb", "1", "--resume", "--quiet")
@@ -291,13 +292,13 @@ def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into
     )
     (partial / ".history.json.tmp-host-1-0a0b0c0d").write_bytes(b"half a writ")  # a write killed before its rename
     assert_ok(train(image_data, output, "no_sync", "--resume", "--quiet"))
-    assert all(records.is_artifact(path.name) for path in output.iterdir())
+    assert all(files.is_artifact(path.name) for path in output.iterdir())
     history = same_run(uninterrupted / "no_sync", output)
     assert [row["resumed_at"] for row in history] == [[], [0]]
     shutil.copytree(uninterrupted / "every", artifacts / "every")
-    run_record = read_json(output / records.RUN_RECORD_FILE)
+    run_record = read_json(output / files.RUN_RECORD_FILE)
     run_record["segments"][0]["hardware"] = ["CPU AVX2"]  # as if it had started on another machine
-    (output / records.RUN_RECORD_FILE).write_bytes(records.json_bytes(run_record))
+    (output / files.RUN_RECORD_FILE).write_bytes(files.json_bytes(run_record))
     checked = verify(artifacts)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert (

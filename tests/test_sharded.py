@@ -1,7 +1,7 @@
-"""--strategy fsdp (ddp_no_sync_lab/sharded.py, docs/fsdp.md): FSDP2's shards under the same audit. The pair trained on the
-small image data passes verify.py with every collective's count derived from the units; FSDP's own reduction
-(torch 2.8's gloo sums) and a no_sync that does nothing, both broken beneath the lab's code, are refused; options
-FSDP has no counterpart for are refused in one line. tests/test_equivalence.py proves the updates."""
+"""--strategy fsdp (ddp_no_sync_lab/strategies/fsdp.py, docs/fsdp.md): FSDP2's shards under the same audit. The pair
+trained on the small image data passes verify.py with every collective's count derived from the units; FSDP's own
+reduction (torch 2.8's gloo sums) and a no_sync that does nothing, both broken beneath the lab's code, are refused;
+options FSDP has no counterpart for are refused in one line. tests/test_equivalence.py proves the updates."""
 
 import shutil
 
@@ -23,7 +23,8 @@ from conftest import (
     train_in_one_start,
     verify,
 )
-from ddp_no_sync_lab import experiment, sharded
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.strategies import fsdp
 from model import CifarCNN
 from test_nodes import node_folders, same_run, two_nodes
 
@@ -48,9 +49,9 @@ def fsdp_runs(tmp_path_factory, image_data):
 
 def test_the_units_and_their_padded_sizes():
     """Five convolutions, then the root's BatchNorm and classifier parameters (3,850); two ranks pad nothing."""
-    assert sharded.unit_numels(CifarCNN(), 2) == (1728, 36864, 73728, 147456, 294912, 3850)
-    assert sum(sharded.unit_numels(CifarCNN(), 2)) == sum(p.numel() for p in CifarCNN().parameters())
-    assert sharded.unit_numels(CifarCNN(), 3)[-1] > 3850  # the classifier's 10 rows padded to 12
+    assert fsdp.unit_numels(CifarCNN(), 2) == (1728, 36864, 73728, 147456, 294912, 3850)
+    assert sum(fsdp.unit_numels(CifarCNN(), 2)) == sum(p.numel() for p in CifarCNN().parameters())
+    assert fsdp.unit_numels(CifarCNN(), 3)[-1] > 3850  # the classifier's 10 rows padded to 12
 
 
 @pytest.mark.torchrun

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from conftest import REPO, assert_one_line_error, run_python
-from ddp_no_sync_lab import launch
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.run import launch
 from model import CLASSES
 
 

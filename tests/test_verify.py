@@ -29,7 +29,8 @@ from conftest import (
     verify,
     write_png_with_a_damaged_chunk,
 )
-from ddp_no_sync_lab import experiment, records, tables
+from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.report import tables
 from model import CLASSES
 
 COUNTS = ("optimizer_steps", *experiment.COUNTS)
@@ -119,13 +120,13 @@ def test_tampered_bytes_count(runs):
 
 
 def test_runs_with_different_configurations(runs):
-    edit_json(runs / "no_sync" / records.RUN_RECORD_FILE, lambda record: record["config"].update(seed=48))
+    edit_json(runs / "no_sync" / files.RUN_RECORD_FILE, lambda record: record["config"].update(seed=48))
     assert_one_line_error(audit(runs), "come from different configurations (seed: 47 vs 48)", code=1)
 
 
 def test_a_configuration_of_the_wrong_type(runs):
     for mode in ("every", "no_sync"):
-        edit_json(runs / mode / records.RUN_RECORD_FILE, lambda record: record["config"].update(batch_size="10"))
+        edit_json(runs / mode / files.RUN_RECORD_FILE, lambda record: record["config"].update(batch_size="10"))
     assert_one_line_error(audit(runs), "config batch_size must be a positive whole number, got '10'", code=1)
 
 
@@ -146,7 +147,7 @@ def test_a_model_that_does_not_load(runs):
 
 
 def test_a_model_of_another_architecture(runs):
-    record = read_json(runs / "every" / records.RUN_RECORD_FILE)
+    record = read_json(runs / "every" / files.RUN_RECORD_FILE)
     checkpoint = {
         "model": nn.Linear(4, 10).state_dict(),
         "classes": CLASSES,
@@ -165,8 +166,8 @@ def test_a_report_that_disagrees_with_its_confusion_matrix(runs):
 def test_a_file_changed_after_the_run(runs):
     """A valid picture with the right run id, but not the one the run wrote: only the checksum tells."""
     path = runs / "no_sync" / "sample_test.png"
-    run_id = records.png_text(path)["run_id"]
-    path.write_bytes(records.png_bytes(Image.new("RGB", (32, 32), "white"), {"run_id": run_id}))
+    run_id = files.png_text(path)["run_id"]
+    path.write_bytes(files.png_bytes(Image.new("RGB", (32, 32), "white"), {"run_id": run_id}))
     assert_one_line_error(audit(runs), f"{runs}/no_sync/sample_test.png: changed after the run finished", code=1)
 
 
@@ -198,9 +199,9 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     """RunFolder.publish moves the old run aside, then the new one into place: a crash between the two
     leaves no no_sync/ at all. verify.py names both hidden folders; the next run into no_sync removes them."""
     output = runs / "no_sync"
-    folder = records.RunFolder(output, "20260101T000000Z-abcdef")
+    folder = files.RunFolder(output, "20260101T000000Z-abcdef")
     folder.begin()
-    for name in records.RUN_FILES:
+    for name in files.RUN_FILES:
         shutil.copy(output / name, folder.partial / name)
     renames = []
 
@@ -210,13 +211,13 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
             raise KeyboardInterrupt("the machine went down")
         return real_rename(source, target)
 
-    real_rename = records.os.rename
-    monkeypatch.setattr(records.os, "rename", crash_on_the_second_rename)
+    real_rename = files.os.rename
+    monkeypatch.setattr(files.os, "rename", crash_on_the_second_rename)
     with pytest.raises(KeyboardInterrupt):
         folder.publish({"run_id": folder.run_id})
     monkeypatch.undo()
     replaced = runs / ".no_sync.replaced-20260101T000000Z-abcdef"
-    assert not output.exists() and replaced.is_dir() and (folder.partial / records.RUN_RECORD_FILE).is_file()
+    assert not output.exists() and replaced.is_dir() and (folder.partial / files.RUN_RECORD_FILE).is_file()
 
     line = assert_one_line_error(audit(runs), f"Lipsește artefactul obligatoriu: {output}/run.json", code=1)
     assert (
@@ -228,12 +229,12 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     # The old run back in place, its copy half removed: verify passes and still says what is left over.
     shutil.copytree(replaced, output)
     shutil.rmtree(folder.partial)
-    (replaced / records.MODEL_FILE).unlink()
+    (replaced / files.MODEL_FILE).unlink()
     passed = audit(runs)
     assert passed.returncode == 0, passed.stderr
     assert f"note: the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in passed.stdout
 
-    records.RunFolder(output, "nextrun").begin()
+    files.RunFolder(output, "nextrun").begin()
     assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [
         ".no_sync.lock",
         ".no_sync.partial-nextrun",

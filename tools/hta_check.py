@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
-from ddp_no_sync_lab.records import PROFILE_TRACE_FILE, RUN_RECORD_FILE
+from ddp_no_sync_lab.files import PROFILE_TRACE_FILE, RUN_RECORD_FILE
 
 SCRIPT = "hta_check.py"
 

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, positive_int
-from ddp_no_sync_lab.data import IMAGE_ERRORS, SYNTHETIC_MARKER, TORCHVISION_FOLDER
+from ddp_no_sync_lab.tasks.data import IMAGE_ERRORS, SYNTHETIC_MARKER, TORCHVISION_FOLDER
 from model import CLASSES, IMAGE_SIZE
 
 QUALITY = 75  # read from the figures' copy with --read-quality

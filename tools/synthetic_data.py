@@ -3,12 +3,12 @@
     python tools/synthetic_data.py --out data/synthetic --train-source 2000 --test 500
     python tools/synthetic_data.py --out /tmp/cifar --layout torchvision
 
-Each class has its own colour and stripe direction, under noise: a working pipeline learns it within a few
-optimizer steps and beats the majority baseline; a broken one (shuffled labels, lost gradients) does not.
-Layouts: `image-folders` writes train/<class>/*.png and test/<class>/*.png; `torchvision` writes
-cifar-10-batches-py/ in the pickle format of the official archive (data_batch_1..5, test_batch, batches.meta).
-Either way the root holds synthetic.json (ddp_no_sync_lab/data.py's SYNTHETIC_MARKER): runs on these data record that
-they are synthetic, and verify.py's strict audit refuses them as the documented experiment.
+Each class has its own colour and stripe direction, under noise: a working pipeline learns it within a few optimizer
+steps and beats the majority baseline; a broken one (shuffled labels, lost gradients) does not. Layouts:
+`image-folders` writes train/<class>/*.png and test/<class>/*.png; `torchvision` writes cifar-10-batches-py/ in the
+pickle format of the official archive (data_batch_1..5, test_batch, batches.meta). Either way the root holds
+synthetic.json (ddp_no_sync_lab/tasks/data.py's SYNTHETIC_MARKER): runs on these data record that they are synthetic,
+and verify.py's strict audit refuses them as the documented experiment.
 """
 
 import json
@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with, non_negative_int, positive_int
-from ddp_no_sync_lab.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER
+from ddp_no_sync_lab.tasks.data import SYNTHETIC_MARKER, TORCHVISION_FOLDER
 from model import CLASSES, IMAGE_SIZE
 
 LAYOUTS = ("image-folders", "torchvision")

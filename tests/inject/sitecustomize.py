@@ -138,7 +138,7 @@ def inject(variables):
     if variables.get("LAB_TEST_TEXT_LOSS") == "padding_in_mean":
         from torch.nn import functional
 
-        from ddp_no_sync_lab import language
+        from ddp_no_sync_lab.tasks import language
 
         def mean_over_every_position(self, logits, targets):
             summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
@@ -149,7 +149,8 @@ def inject(variables):
     if variables.get("LAB_TEST_TEXT_LOSS") == "one_token_too_many":
         from torch.nn import functional
 
-        from ddp_no_sync_lab import experiment, language
+        from ddp_no_sync_lab import experiment
+        from ddp_no_sync_lab.tasks import language
 
         def mean_over_one_token_too_many(self, logits, targets):
             summed = functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
@@ -158,7 +159,8 @@ def inject(variables):
         patch(language.TokenCrossEntropy, "forward", mean_over_one_token_too_many)
 
     if variables.get("LAB_TEST_TEXT_LOSS") == "first_target_dropped":
-        from ddp_no_sync_lab import experiment, packed
+        from ddp_no_sync_lab import experiment
+        from ddp_no_sync_lab.tasks import packed
 
         original_batches = packed.RowLoader.batches
 
@@ -313,7 +315,7 @@ def inject(variables):
         patch(torch.distributed, "destroy_process_group", hang)
 
     if variables.get("LAB_TEST_COUNT_DECODES"):
-        from ddp_no_sync_lab import data
+        from ddp_no_sync_lab.tasks import data
 
         decode_image_folders = data.decode_image_folders
 

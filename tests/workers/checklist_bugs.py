@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import train
-from ddp_no_sync_lab import launch
+from ddp_no_sync_lab.run import launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ LOOP_EDITS = {
     ],
     "compression_label_lies": [
         (
-            "future = audit.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)",
+            "future = instruments.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)",
             "future = dist.all_reduce(bucket.buffer().div_(comm_audit.world_size), group=comm_audit.group, "
             "async_op=True).get_future()",
         )

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import train
-from ddp_no_sync_lab import audit, cli, experiment
+from ddp_no_sync_lab import cli, experiment
+from ddp_no_sync_lab.audit import instruments
 from model import CifarCNN
 
 BATCH, ACCUM, MICRO_BATCHES, EPOCHS = 4, 4, 8, 2
@@ -50,7 +51,7 @@ def hook_calls_per_sync(bucket_cap_mb, loader):
     """Hook calls in each of three synchronized backwards, the first before DDP rebuilds its buckets."""
     options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp_model = DDP(CifarCNN(), **options)
-    comm_audit = audit.CommAudit(world_size=dist.get_world_size())
+    comm_audit = instruments.CommAudit(world_size=dist.get_world_size())
     ddp_model.register_comm_hook(comm_audit, train.counting_allreduce_hook)
     calls = []
     for (inputs, targets), _ in zip(loader, range(3)):
@@ -72,7 +73,7 @@ def waits_of_known_calls():
     2 and 1 s, its second completing first; their all-gather 0.5 and 0.25 s. Then on ranks that timed different
     numbers of syncs."""
     rank = dist.get_rank()
-    clock = audit.CollectiveClock("cpu")
+    clock = instruments.CollectiveClock("cpu")
     completed = ([(1, 1.0), (2, 3.0)], [(2, 1.0), (1, 2.0)])[rank]  # (the call's order, its seconds)
     for order, seconds in completed:
         clock.add("sync", seconds, order)
@@ -145,7 +146,7 @@ def main():
     waits = waits_of_known_calls()
     if dist.get_rank() == 0:
         print(json.dumps({"rows": rows, "hook_calls_per_sync": hook_calls, "waits": waits}), flush=True)
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -27,8 +27,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import train
-from ddp_no_sync_lab import audit, cli, experiment, sharded
+from ddp_no_sync_lab import cli, experiment
+from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.strategies import fsdp
 from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, SEED = 8, 4, 47
@@ -87,7 +89,7 @@ def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
 
 
 def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast, corrected=True):
-    """The lab's loop under --strategy fsdp (sharded.wrap_sharded); the whole gradients and parameters gathered at
+    """The lab's loop under --strategy fsdp (fsdp.wrap_sharded); the whole gradients and parameters gathered at
     each step. Each rank draws its own initial weights (as train.py seeds seed + rank), rank 0 the reference's:
     wrap_sharded must start every rank from rank 0's. corrected=False: FSDP's own reduction, the lab's correction
     undone."""
@@ -97,7 +99,7 @@ def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast,
     if rank == 0:
         model.load_state_dict(initial_state)
     config = {"validation_size": world_size, "test_size": world_size, "batch_size": BATCH, "world_size": world_size}
-    fsdp_model, counted = sharded.wrap_sharded(model, CPU, world_size, None, config)
+    fsdp_model, counted = fsdp.wrap_sharded(model, CPU, world_size, None, config)
     for module in fsdp_model.module.modules() if not corrected else ():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(False)
@@ -322,7 +324,7 @@ def main():
     }
     if rank == 0:
         print(json.dumps(results), flush=True)
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from ddp_no_sync_lab import launch
+from ddp_no_sync_lab.run import launch
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import train
-from ddp_no_sync_lab import audit, cli, experiment, packed
-from ddp_no_sync_lab.language import ByteTransformer, TokenCrossEntropy
+from ddp_no_sync_lab import cli, experiment
+from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.tasks import packed
+from ddp_no_sync_lab.tasks.language import ByteTransformer, TokenCrossEntropy
 from equivalence import compare, new_optimizer, recorder  # the image proof's, beside this one
 
 BATCH, ACCUM, SEED, SHORT_ROWS, FULL_ROWS = 4, 4, 47, 20, 16
@@ -131,7 +133,7 @@ def main():
         }
     if rank == 0:
         print(json.dumps(results), flush=True)
-    audit.settle_comm_hooks()
+    instruments.settle_comm_hooks()
     dist.destroy_process_group()
 
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ddp_no_sync_lab import audit, experiment
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.cli import LabError
 
 # What --strategy fsdp has no counterpart for, refused by name: (option, its value under DDP's defaults, why).
@@ -294,7 +295,7 @@ def wrap_sharded(model, device, world_size, group, config):
     for module in model.modules():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
-    comm_audit = audit.CommAudit(world_size, group, clock=audit.CollectiveClock(device.type))
+    comm_audit = instruments.CommAudit(world_size, group, clock=instruments.CollectiveClock(device.type))
     COUNTER = COUNTER or CollectiveCounter()
     COUNTER.comm_audit = comm_audit
     return ShardedModel(model, comm_audit, group), comm_audit

@@ -3,7 +3,8 @@
 the bias its runs' tokens measured."""
 
 from ddp_no_sync_lab import experiment
-from ddp_no_sync_lab.records import REPORT_FILE, RUN_RECORD_FILE, AuditError, check
+from ddp_no_sync_lab.audit import scale
+from ddp_no_sync_lab.files import REPORT_FILE, RUN_RECORD_FILE, AuditError, check
 
 # What verify.py prints beside the documented keys: where and how the runs ran, not what they computed.
 PLATFORM_CHOICES = ("device", "backend", "precision", "loader", "activation_checkpointing", "nodes")
@@ -21,23 +22,12 @@ def check_documented(path, config):
             )
 
 
-def token_weights(row, config):
-    """Per micro-batch of every rank: how much each of its tokens weighed in its window's update against its share
-    (1 / the window's tokens over every rank): the window's tokens over the divisor read at its loss."""
-    windows, weights = experiment.window_indices(experiment.epoch_plan(config)), []
-    for rank in row["checklist"]["ranks"]:
-        divisors = {index: divisor for start, stop, divisor in rank["loss_divisors"] for index in range(start, stop)}
-        totals = experiment.from_runs(rank["step_tokens"])
-        weights += [total / divisors[index] for window, total in zip(windows, totals) for index in window]
-    return weights
-
-
 def check_token_normalization(path, runs, config):
     """The strict audit of the text task: per-token normalization, or a refusal naming how unequally the run's
     tokens weighed (the loss-scale witness's divisors against the windows' tokens)."""
     if config["loss_normalization"] != experiment.TEXT_DOCUMENTED["loss_normalization"]:
         weights = [
-            weight for history, _, _ in runs.values() for row in history for weight in token_weights(row, config)
+            weight for history, _, _ in runs.values() for row in history for weight in scale.token_weights(row, config)
         ]
         measured = (
             f"the runs' tokens weighed {min(weights):.3f}x to {max(weights):.3f}x their share of their window's update "

@@ -1,4 +1,4 @@
-"""The loss scale of each backward, as the checklist's item 4 reads it (checklist.py's witnesses): the divisor
+"""The loss scale of each backward, as the checklist's item 4 reads it (audit/checklist.py's witnesses): the divisor
 the loop applied, read exactly at the loss, and the gradient that reached the logits fitted against the mean
 cross-entropy's own; their bounds per precision, and how a divisor is recorded in an epoch's row.
 """
@@ -8,6 +8,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.experiment import IGNORE_INDEX
 
 # Rounding of one operation, by dtype: half an ulp relative (unit roundoff).
@@ -69,3 +70,14 @@ def divisor_runs(positions, scales):
         else:
             runs.append([index, index + 1, whole])
     return runs
+
+
+def token_weights(row, config):
+    """Per micro-batch of every rank: how much each of its tokens weighed in its window's update against its share
+    (1 / the window's tokens over every rank): the window's tokens over the divisor read at its loss."""
+    windows, weights = experiment.window_indices(experiment.epoch_plan(config)), []
+    for rank in row["checklist"]["ranks"]:
+        divisors = {index: divisor for start, stop, divisor in rank["loss_divisors"] for index in range(start, stop)}
+        totals = experiment.from_runs(rank["step_tokens"])
+        weights += [total / divisors[index] for window, total in zip(windows, totals) for index in window]
+    return weights

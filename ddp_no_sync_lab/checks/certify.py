@@ -1,4 +1,4 @@
-"""verify.py's check of the document's checklist, item by item, against what the witnesses of checklist.py
+"""verify.py's check of the document's checklist, item by item, against what the witnesses of audit/checklist.py
 saw in each epoch; the strict audit's hold on every documented key; the checklist table verify.py prints.
 A refusal is one line naming the file, the epoch, the micro-batch or step, what was seen, and the item.
 """
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ddp_no_sync_lab import experiment, packed
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit.scale import loss_scale_bounds
 from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.records import AuditError, check, is_int, is_number
-from ddp_no_sync_lab.scale import loss_scale_bounds
+from ddp_no_sync_lab.files import AuditError, check, is_int, is_number
+from ddp_no_sync_lab.tasks import packed
 
 # The document's checklist (its last section), in its order: the Romanian text and an English gloss.
 ITEMS = (
@@ -89,7 +90,7 @@ TEXT_RANK_FIELDS = ("micro_batch_tokens", "step_tokens")  # [value, count] runs 
 
 
 def check_epoch(path, number, row, config, mode, plan):
-    """Every checklist item of one epoch row as every rank's witnesses saw it (checklist.py), against what
+    """Every checklist item of one epoch row as every rank's witnesses saw it (audit/checklist.py), against what
     the run's configuration implies; a refusal names the item, the epoch, the rank, the micro-batch or step,
     and what was seen."""
     seen = row.get("checklist")
@@ -401,7 +402,7 @@ def recomputed_packing(fingerprint, torch_version, seed, world_size):
 
 def check_text_data(path, config, strict):
     """The text task: its packing recomputed here and checked by what packing must keep, independently of how
-    packed.py does it: every target is the next row position's input; each part's targets are its
+    tasks/packed.py does it: every target is the next row position's input; each part's targets are its
     documents' bytes but their first, and one separator each; the run's sizes are the parts' rows. Where this
     Python or torch could not have packed the run, the strict audit refuses and the other says so in a note."""
     packing = recomputed_packing(
@@ -441,7 +442,7 @@ def check_text_data(path, config, strict):
 def print_checklist(runs, config):
     """The document's ten items, each with the witness that showed it, for each mode (every check has held)."""
     print()
-    print("The document's checklist, observed (ddp_no_sync_lab/checklist.py; docs/audit.md):")
+    print("The document's checklist, observed (ddp_no_sync_lab/audit/checklist.py; docs/audit.md):")
     print("| # | item (document) | in English | " + " | ".join(runs) + " | seen by |")
     print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
     for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):

@@ -1,4 +1,4 @@
-"""The two loaders of a rank's training, validation and test images, over data.py's split.
+"""The two loaders of a rank's training, validation and test images, over tasks/data.py's split.
 
     train.py --loader tensor   the default: the images decoded once, held on the training device as uint8
                                N x 3 x 32 x 32, cropped, flipped and normalized there, a whole batch at a time
@@ -76,7 +76,7 @@ def batches_from(loader, start):
     batches before it neither read nor draw random numbers, so those after it are the uninterrupted run's."""
     if start == 0:
         return iter(loader)
-    if hasattr(loader, "batches"):  # the tensor loader, and the text task's (packed.py)
+    if hasattr(loader, "batches"):  # the tensor loader, and the text task's (tasks/packed.py)
         return loader.batches(start)
     order = list(loader.sampler)[start * loader.batch_size :]  # the PIL loader: its sampler's order, cut
     # A DataLoader's iterator draws its workers' base seed, from the global RNG unless it has a generator of its

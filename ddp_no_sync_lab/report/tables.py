@@ -5,10 +5,10 @@ next to the run folders (or in the folder verify.py --pictures names).
 
 import json
 
-from ddp_no_sync_lab import pictures
+from ddp_no_sync_lab.audit.scale import token_weights
 from ddp_no_sync_lab.experiment import from_runs
-from ddp_no_sync_lab.records import png_bytes, write_atomic
-from ddp_no_sync_lab.strict_audit import token_weights
+from ddp_no_sync_lab.files import png_bytes, write_atomic
+from ddp_no_sync_lab.report import pictures
 
 # Pictures verify.py draws from both runs, next to the run folders.
 CURVES_FILE = "curves.png"
@@ -108,7 +108,7 @@ def print_tables(runs, config):
 
 
 def print_fsdp_table(runs, epochs):
-    """FSDP's collectives (sharded.py): the all-gathers both modes share, the reduce-scatters no_sync saves."""
+    """FSDP's collectives (strategies/fsdp.py): the all-gathers both modes share, the reduce-scatters no_sync saves."""
     print(f"FSDP's collectives per rank, totals over {epochs} epochs (training and validation):")
     print("| mode | all-gathers | all-gathered MB | reduce-scatters | reduce-scattered MB |")
     print("|---|---:|---:|---:|---:|")

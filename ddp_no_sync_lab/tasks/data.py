@@ -1,5 +1,5 @@
 """CIFAR-10 for the lab: the two on-disk layouts, the decode cache, the seeded split and the samplers (the
-loaders that read them: loaders.py).
+loaders that read them: tasks/loaders.py).
 
 An image-folder tree is decoded once into a cache file beside it (DECODED_CACHE), keyed by the files' names,
 sizes and times, rebuilt when they change or when it is damaged (it records the fingerprint of its images
@@ -26,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.experiment import VALIDATION_FRACTION, split_sizes
-from ddp_no_sync_lab.records import write_atomic
+from ddp_no_sync_lab.files import write_atomic
 from model import CLASSES, IMAGE_SIZE
 
 # The two dataset layouts train.py reads: image folders train/<class>/ and test/<class>/ holding these files,

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ddp_no_sync_lab import records
-from ddp_no_sync_lab.audit import STOP_REQUESTED, EpochTrace
+from ddp_no_sync_lab import files
+from ddp_no_sync_lab.audit.instruments import STOP_REQUESTED, EpochTrace
 from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.launch import agree
+from ddp_no_sync_lab.run.launch import agree
 
 STATE_FILE = "resume_state-{number:06d}.pt"  # save number N
 STATE_RECORD = "resume_state-{number:06d}.json"  # written after its state: its size, SHA-256 and position
@@ -77,7 +77,7 @@ class EpochState:
 
 def differences(saved, ours):
     """What differs between two configurations (the mode in them), as JSON holds them, but the hardware."""
-    ours = json.loads(records.json_bytes(ours))
+    ours = json.loads(files.json_bytes(ours))
     keys = sorted((set(saved) | set(ours)) - UNCHECKED_CONFIG)
     return [f"{key} {saved.get(key)!r} vs {ours.get(key)!r}" for key in keys if saved.get(key) != ours.get(key)]
 
@@ -86,10 +86,10 @@ def finished_run(output, identity, job=None):
     """The run id of the run published in `output` with this configuration and mode (`identity`), by this
     torchrun job when `job` is given (run.json's launch_id), or None: a restart or --resume that finds the run
     done has nothing left to do (the job failed after the publish, e.g. in its teardown)."""
-    path = output / records.RUN_RECORD_FILE
+    path = output / files.RUN_RECORD_FILE
     if not path.is_file():
         return None
-    record = records.read_json(path)
+    record = files.read_json(path)
     same = not differences({**record["config"], "mode": record.get("mode")}, identity)
     return record.get("run_id") if same and job in (None, record.get("launch_id")) else None
 
@@ -103,7 +103,7 @@ def saves(folder):
 
 def unfinished_with_state(output):
     """The newest unfinished run beside `output` holding a complete saved state, or None."""
-    numbers = {folder: saves(folder) for folder in records.unfinished_runs(output)}
+    numbers = {folder: saves(folder) for folder in files.unfinished_runs(output)}
     records_landed = {
         folder: folder / STATE_RECORD.format(number=found[-1]) for folder, found in numbers.items() if found
     }
@@ -115,11 +115,11 @@ def read_state(folder):
     cut short or altered after its record landed."""
     number = saves(folder)[-1]
     record_path, state_path = folder / STATE_RECORD.format(number=number), folder / STATE_FILE.format(number=number)
-    record = records.read_json(record_path)
+    record = files.read_json(record_path)
     entry = record.get("state") if isinstance(record, dict) else None
     if not isinstance(entry, dict) or not state_path.is_file():
         raise LabError(f"{record_path} names no saved state beside it: remove {folder}, or start anew without --resume")
-    if state_path.stat().st_size != entry.get("bytes") or records.sha256_file(state_path) != entry.get("sha256"):
+    if state_path.stat().st_size != entry.get("bytes") or files.sha256_file(state_path) != entry.get("sha256"):
         raise LabError(
             f"{state_path} is not the state {record_path} recorded (its size or SHA-256 differs: cut short or "
             f"altered): remove {folder}, or start anew without --resume"
@@ -183,7 +183,7 @@ class Session:
         def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
             if place.rank != 0:
                 return None
-            published = records.publish_interrupted(args.output)  # a complete run is never lost or retrained
+            published = files.publish_interrupted(args.output)  # a complete run is never lost or retrained
             if published:
                 print(
                     f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
@@ -335,10 +335,10 @@ class Session:
         self.save_number += 1
         state_name, record_name = (name.format(number=self.save_number) for name in (STATE_FILE, STATE_RECORD))
         self.folder.write(state_name, buffer.getvalue())
-        entry = {"bytes": buffer.tell(), "sha256": records.sha256_file(self.folder.partial / state_name)}
-        where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": records.utc_now()}
+        entry = {"bytes": buffer.tell(), "sha256": files.sha256_file(self.folder.partial / state_name)}
+        where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": files.utc_now()}
         where["seconds"] = time.perf_counter() - started
-        self.folder.write(record_name, records.json_bytes({"state": entry, **where}))
+        self.folder.write(record_name, files.json_bytes({"state": entry, **where}))
         # This save is complete: the earlier ones, and a killed save's state without its record, go.
         for path in self.folder.partial.iterdir():
             if SAVED_NAME.fullmatch(path.name) and path.name not in (state_name, record_name):
@@ -348,14 +348,14 @@ class Session:
 def moved_hardware(record, path):
     """verify.py's note when the run's segments (run.json at `path`) ran on different hardware, else None."""
     segments = record.get("segments", [])
-    records.check(
+    files.check(
         isinstance(segments, list)
         and all(
             isinstance(segment, dict)
             and isinstance(segment.get("hardware"), list)
             and all(isinstance(name, str) for name in segment["hardware"])
-            and records.is_int(segment.get("epoch"))
-            and records.is_int(segment.get("micro_batch"))
+            and files.is_int(segment.get("epoch"))
+            and files.is_int(segment.get("micro_batch"))
             for segment in segments
         ),
         path,
@@ -376,9 +376,8 @@ def wrapper_starts(path, history, micro_batches):
     starts = [(1, 0)]
     for number, row in enumerate(history, start=1):
         resumed = row.get("resumed_at")
-        records.check(
-            isinstance(resumed, list)
-            and all(records.is_int(index) and 0 <= index < micro_batches for index in resumed),
+        files.check(
+            isinstance(resumed, list) and all(files.is_int(index) and 0 <= index < micro_batches for index in resumed),
             path,
             f"epoch row {number}: resumed_at must be a list of micro-batch indices, got {resumed!r}",
         )

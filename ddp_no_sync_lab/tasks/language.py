@@ -1,5 +1,5 @@
 """The text task's model and its measures (train.py --task text): a small causal byte-level transformer over
-packed.py's rows, its per-token loss, evaluation in loss per token and perplexity, a greedy continuation,
+tasks/packed.py's rows, its per-token loss, evaluation in loss per token and perplexity, a greedy continuation,
 and its checkpoint.
 
     ByteTransformer   256-byte embedding (tied to the output), learned positions, 2 pre-norm blocks of width 128
@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ddp_no_sync_lab import records
+from ddp_no_sync_lab import files
 from ddp_no_sync_lab.experiment import IGNORE_INDEX
-from ddp_no_sync_lab.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
+from ddp_no_sync_lab.tasks.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
 
 WIDTH, HEADS, LAYERS = 128, 4, 2
 PROMPT = "The for statement"  # the report's greedy continuation starts here
@@ -72,7 +72,7 @@ class ByteTransformer(nn.Module):
 class TokenCrossEntropy(nn.Module):
     """The mean cross-entropy over the target tokens of a B x L batch (IGNORE_INDEX skipped)."""
 
-    counts_tokens = True  # checklist.py's witnesses read its targets as tokens
+    counts_tokens = True  # audit/checklist.py's witnesses read its targets as tokens
 
     def forward(self, logits, targets):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -155,9 +155,9 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
         "mode": args.mode,
         "precision": config["precision"],
     }
-    folder.write(records.MODEL_FILE, records.torch_bytes(checkpoint))
-    folder.write(records.REPORT_FILE, records.json_bytes(report))
-    return report, records.run_record(args, config, run_id, started_at, data_dir=CORPUS)
+    folder.write(files.MODEL_FILE, files.torch_bytes(checkpoint))
+    folder.write(files.REPORT_FILE, files.json_bytes(report))
+    return report, files.run_record(args, config, run_id, started_at, data_dir=CORPUS)
 
 
 # ----------------------------------------------------------------------------- verify.py's checks of a text run
@@ -165,28 +165,24 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
 
 def check_report(path, mode, record):
     """The text report: its run, its measures consistent with one another, a continuation."""
-    report = records.read_json(path)
-    records.check(isinstance(report, dict), path, "expected a JSON object")
-    records.check(report.get("mode") == mode and report.get("task") == "text", path, f"expected a text {mode} report")
-    records.check(
+    report = files.read_json(path)
+    files.check(isinstance(report, dict), path, "expected a JSON object")
+    files.check(report.get("mode") == mode and report.get("task") == "text", path, f"expected a text {mode} report")
+    files.check(
         report.get("run_id") == record["run_id"], path, f"run id {report.get('run_id')}, run.json {record['run_id']}"
     )
-    records.check(report.get("config") == record["config"], path, "its config differs from run.json's")
+    files.check(report.get("config") == record["config"], path, "its config differs from run.json's")
     loss = report.get("model_test_loss")
-    records.check(
-        records.is_number(loss) and loss > 0, path, f"model_test_loss must be a positive number, got {loss!r}"
-    )
+    files.check(files.is_number(loss) and loss > 0, path, f"model_test_loss must be a positive number, got {loss!r}")
     for key, value in (("model_test_perplexity", math.exp(loss)), ("model_test_bits_per_byte", loss / math.log(2))):
-        records.check(
+        files.check(
             report.get(key) == value, path, f"{key} {report.get(key)!r} does not follow from the loss ({value})"
         )
     for key in ("model_test_accuracy", "baseline_loss"):
-        records.check(records.is_number(report.get(key)), path, f"{key} must be a number, got {report.get(key)!r}")
-    records.check(records.is_int(report.get("test_tokens")), path, "test_tokens must be a whole number")
+        files.check(files.is_number(report.get(key)), path, f"{key} must be a number, got {report.get(key)!r}")
+    files.check(files.is_int(report.get("test_tokens")), path, "test_tokens must be a whole number")
     continuation = report.get("continuation")
-    records.check(
-        isinstance(continuation, dict) and isinstance(continuation.get("greedy"), str), path, "no continuation"
-    )
+    files.check(isinstance(continuation, dict) and isinstance(continuation.get("greedy"), str), path, "no continuation")
     return report
 
 
@@ -194,7 +190,7 @@ def check_report_against_packing(path, report, packing):
     """The report against the split packed again (certify.check_text_data): its test evaluation took every test
     token once, and its baseline is the one these parts give."""
     tokens = int(packing.parts["test"].tokens.sum())
-    records.check(
+    files.check(
         report["test_tokens"] == tokens,
         path,
         f"its test took {report['test_tokens']} target tokens, the "
@@ -202,12 +198,12 @@ def check_report_against_packing(path, report, packing):
     )
     baseline = unigram_loss(packing.parts["train"].targets, packing.parts["test"].targets)
     same = abs(report["baseline_loss"] - baseline) <= 1e-12 * baseline  # summed in another order on other CPUs
-    records.check(same, path, f"baseline_loss {report['baseline_loss']} is not the packing's {baseline}")
+    files.check(same, path, f"baseline_loss {report['baseline_loss']} is not the packing's {baseline}")
 
 
 def check_learned(path, report):
     """The strict audit: the documented text run's model beats the unigram baseline on the test tokens."""
-    records.check(
+    files.check(
         report["model_test_loss"] < report["baseline_loss"],
         path,
         f"test loss per token {report['model_test_loss']:.4f} is not below the unigram baseline's "
@@ -217,11 +213,11 @@ def check_learned(path, report):
 
 def check_model(path, mode, record):
     """model.pt: the run's, a ByteTransformer's state dict, loaded safely (weights_only)."""
-    records.require_file(path)
+    files.require_file(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         ByteTransformer().load_state_dict(checkpoint["model"])
     except Exception as error:  # unreadable, refused, or not this model: each is the same failure here
-        raise records.AuditError(f"{path}: not a text-task checkpoint ({' '.join(str(error).split())[:200]})") from None
-    records.check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}")
-    records.check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")
+        raise files.AuditError(f"{path}: not a text-task checkpoint ({' '.join(str(error).split())[:200]})") from None
+    files.check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}")
+    files.check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from ddp_no_sync_lab.audit import read_clock, settle_comm_hooks
-from ddp_no_sync_lab.checklist import AVERAGE_WITNESS_LABEL
+from ddp_no_sync_lab.audit.checklist import AVERAGE_WITNESS_LABEL
+from ddp_no_sync_lab.audit.instruments import read_clock, settle_comm_hooks
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.experiment import COLLECTIVE_KINDS, COUNTS, from_progressions
-from ddp_no_sync_lab.records import (
+from ddp_no_sync_lab.files import (
     PROFILE_FILE,
     PROFILE_TRACE_FILE,
     RUN_RECORD_FILE,

@@ -1,4 +1,4 @@
-"""The document's checklist observed: witnesses that read what a run did (certify.py checks each item).
+"""The document's checklist observed: witnesses that read what a run did (checks/certify.py checks each item).
 
 Every witness reads an event of the run itself, never the window plan the loop follows:
 
@@ -9,7 +9,7 @@ Every witness reads an event of the run itself, never the window plan the loop f
                                       each step: resets (None or zero, however made), accumulation, alterations
     the loss                          its value and the gradient reaching it (1 / the divisor); the text task's tokens
     the optimizer                     its own step pre/post hooks, and its state's step counter
-    the collective                    the hook's tensors handed to all_reduce (tap.py)
+    the collective                    the hook's tensors handed to all_reduce (audit/tap.py)
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
                                       gradient against the mean of the ranks' local gradients
 
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit.memory import held_bytes, local
+from ddp_no_sync_lab.audit.scale import CROSS_ENTROPY, UNIT_ROUNDOFF, divisor_runs, loss_scale, recorded_divisor
 from ddp_no_sync_lab.experiment import IGNORE_INDEX, runs_of
-from ddp_no_sync_lab.memory import held_bytes, local
-from ddp_no_sync_lab.scale import CROSS_ENTROPY, UNIT_ROUNDOFF, divisor_runs, loss_scale, recorded_divisor
 
 AVERAGE_WITNESS_LABEL = "average witness"  # the profiler's label of the witness's all-reduce
 PROJECTION_SEED = 47_000_047
@@ -85,7 +85,7 @@ class Witness:
     def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
         self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
-        # FSDP's (sharded.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
+        # FSDP's (strategies/fsdp.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
         self.unsharded = getattr(ddp_model, "unsharded_parameters", None)
         self.whole = {}
         self.weights = projection_weights(self.parameters, device)

@@ -1,5 +1,5 @@
 """The facts verify.py checks, one function per artifact or fact, each failing with one line naming the file and
-what is wrong (records.AuditError): the run record and the pair's configuration; each epoch row's counts, positions,
+what is wrong (files.AuditError): the run record and the pair's configuration; each epoch row's counts, positions,
 agreement and memory; the report, the checkpoint, the pictures' run ids, the checksums; verify.py calls them in order.
 """
 
@@ -8,11 +8,9 @@ import math
 
 from PIL import Image
 
-from ddp_no_sync_lab import certify, experiment, resume, sharded
-from ddp_no_sync_lab.data import IMAGE_ERRORS
-from ddp_no_sync_lab.precision import NUMERICS
-from ddp_no_sync_lab.records import (
-    CLOCKED_SECONDS,
+from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.checks import certify
+from ddp_no_sync_lab.files import (
     HISTORY_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,
@@ -25,8 +23,12 @@ from ddp_no_sync_lab.records import (
     read_json,
     require_file,
     sha256_file,
-    top_confusions,
 )
+from ddp_no_sync_lab.precision import NUMERICS
+from ddp_no_sync_lab.run import resume
+from ddp_no_sync_lab.run.records import CLOCKED_SECONDS, top_confusions
+from ddp_no_sync_lab.strategies import fsdp
+from ddp_no_sync_lab.tasks.data import IMAGE_ERRORS
 from model import CLASSES, CheckpointError, load_checkpoint
 
 COUNT_LABELS = {
@@ -145,7 +147,7 @@ def check_history(path, mode, record, expected_config, sizes):
         )
         for key in ("train_accuracy", "validation_accuracy"):
             check(0 <= row[key] <= 1, path, f"epoch {number}: {key} {row[key]} is outside [0, 1]")
-        expected = sharded.epoch_counts(record["config"])(expected_config, mode, number, sizes, starts)
+        expected = fsdp.epoch_counts(record["config"])(expected_config, mode, number, sizes, starts)
         # How many syncs and steps, then where they happened, then what they imply (bytes, broadcasts). Steps
         # only where the plan has them, repeated or missing, are a wrong count; anywhere else, a wrong place.
         steps_in_place = steps_at_planned_places(row, plan)
@@ -195,7 +197,7 @@ def check_same_saved_activations(runs, artifacts):
 
 
 def check_finite(path, number, row):
-    """Every optimizer step met only finite gradients and parameters (audit.ranks_agree); checked before the
+    """Every optimizer step met only finite gradients and parameters (instruments.ranks_agree); checked before the
     row's numbers, which a diverged run fills with NaN."""
     nonfinite = row.get("first_nonfinite_step")
     if nonfinite is not None:
@@ -214,7 +216,7 @@ def check_finite(path, number, row):
 
 
 def check_steps(path, number, row, sharded=False):
-    """What every optimizer step did, from every rank's fingerprints (audit.ranks_agree): the same gradients
+    """What every optimizer step did, from every rank's fingerprints (instruments.ranks_agree): the same gradients
     before it and the same parameters after it on every rank (FSDP's ranks hold shards: none to compare), and
     parameters it changed."""
     agreed, first = row.get("steps_with_ranks_agreed"), row.get("first_rank_disagreement")

@@ -1,25 +1,21 @@
-"""The audit's instruments, beside DDP in every rank: the collective clock and the running counts, AuditedDDP
-(DDP's own collectives that no hook sees), the check of DDP's settings, the ranks' step fingerprints and the
-epoch's trace of where syncs and steps happened. The counting hook itself is in
-train.py, where the lesson is.
-"""
+"""The audit's instruments, beside the wrapper in every rank: the collective clock and the running counts, the
+ranks' step fingerprints, the epoch's trace of where syncs and steps happened, which samples the ranks read. The
+counting hook itself is in train.py, where the lesson is; DDP's own collectives are counted by
+strategies/ddp.py's AuditedDDP."""
 
 import functools
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_no_sync_lab.checklist import ChecklistTrace
-from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.experiment import BROADCAST_BUCKET_BYTES, COUNTS, REBUILD_BROADCASTS
-from ddp_no_sync_lab.memory import local
+from ddp_no_sync_lab.audit.checklist import ChecklistTrace
+from ddp_no_sync_lab.audit.memory import local
+from ddp_no_sync_lab.experiment import COUNTS
 
 
 def read_clock(device):
@@ -142,10 +138,10 @@ class CommAudit:
     broadcast_bytes: int = 0
     rebuild_broadcast_collectives: int = 0
     used_map_allreduces: int = 0
-    witness_allreduces: int = 0  # checklist.py's, one per optimizer step: the synced gradient against the mean
-    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (checklist.py's tap)
+    witness_allreduces: int = 0  # audit/checklist.py's, one per optimizer step: the synced gradient against the mean
+    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (audit/checklist.py's tap)
     wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
-    all_gathers: int = 0  # FSDP's collectives (sharded.py), read from the calls
+    all_gathers: int = 0  # FSDP's collectives (strategies/fsdp.py), read from the calls
     all_gather_bytes: int = 0
     reduce_scatters: int = 0
     reduce_scatter_bytes: int = 0
@@ -163,7 +159,7 @@ class CommAudit:
             self.used_map_allreduces += self.find_unused_parameters
 
     def count_handed(self, handed):
-        """The (dtype, element count) of each tensor a hook call handed to the collective (checklist.py's tap)."""
+        """The (dtype, element count) of each tensor a hook call handed to the collective (audit/checklist.py's tap)."""
         self.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
         self.wire_dtype = handed[-1][0] if handed else None
 
@@ -225,7 +221,7 @@ def ranks_agree(before, parameters, group, stop_requested=False):
     The maxima of the values and of their negatives give each value's maximum and minimum over the ranks: a
     fingerprint lane is agreed where they are equal. Returns a device tensor [gradients agreed, parameters
     agreed, gradients finite, parameters finite, parameters changed, a rank asked to stop] (Verdicts), read once per epoch
-    (and where a save reads it: resume.py).
+    (and where a save reads it: run/resume.py).
     """
     gradients, parameters_before = before
     after = fingerprint(parameters)
@@ -255,78 +251,12 @@ def settle_comm_hooks():
     time.sleep(0.1)
 
 
-class AuditedDDP(DDP):
-    """DDP that also counts DDP's own collectives, which no comm hook sees: the BatchNorm buffer broadcasts
-    (broadcast_buffers=True), counted and timed, and the one-time broadcast of its rebuilt bucket order."""
-
-    def broadcast_rank_0_buffers(self):
-        """What DDP does before a forward with broadcast_buffers=True, done on request: without it each rank keeps
-        its own BatchNorm statistics, and evaluation would mix the ranks' models (counted as DDP's are)."""
-        self._distributed_broadcast_coalesced(list(self.module.buffers()), BROADCAST_BUCKET_BYTES, 0)
-
-    def full_state_dict(self):  # as sharded.py's, which gathers its shards
-        return self.module.state_dict()
-
-    def _pre_forward(self, *inputs, **kwargs):
-        rebuilt_before = self._has_rebuilt_buckets
-        result = super()._pre_forward(*inputs, **kwargs)
-        if self._has_rebuilt_buckets and not rebuilt_before:
-            self.comm_audit.rebuild_broadcast_collectives += REBUILD_BROADCASTS
-        return result
-
-    def _distributed_broadcast_coalesced(self, tensors, buffer_size, authoritative_rank=0):
-        audit = self.comm_audit
-        started = audit.clock.start()
-        super()._distributed_broadcast_coalesced(tensors, buffer_size, authoritative_rank)
-        audit.clock.stop(started)  # on GPU: the current stream waits for the broadcast
-        # One collective per dtype: _broadcast_coalesced flattens same-dtype tensors into one bucket
-        # (tests/test_comm_audit.py checks this against the profiler's c10d::broadcast_ events).
-        audit.buffer_broadcast_collectives += len({tensor.dtype for tensor in tensors})
-        audit.broadcast_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
-# What experiment.expected_epoch_counts derives from a run's DDP settings, read back from the wrapped model:
-# the buffers broadcast or not, the search for unused parameters, gradients as views of the buckets, the static
-# graph, the bucket cap; the gradients all-reduced by the counting hook alone (running the run's --comm-hook)
-# and the buffers broadcast by DDP itself (no buffer hook).
-COUNTING_HOOK = "counting_allreduce_hook"  # train.py's
-
-
-def ddp_attributes(settings):
-    """The DDP attributes that hold a run's settings (experiment.ddp_settings), with the values they must have."""
-    attributes = {name: settings[name] for name in settings if name not in ("bucket_cap_mb", "comm_hook")}
-    return {**attributes, "bucket_bytes_cap": int(settings["bucket_cap_mb"] * 1024 * 1024)}
-
-
-def check_ddp_settings(ddp_model, settings):
-    """The wrapped model has the run's settings, train.py's counting hook as its only gradient hook (running the
-    run's --comm-hook), no buffer hook."""
-    expected = {
-        **ddp_attributes(settings),
-        "gradient comm hooks": [COUNTING_HOOK],
-        "counted hook": settings["comm_hook"],
-        "buffer comm hook": False,
-    }
-    actual = {name: getattr(ddp_model, name) for name in ddp_attributes(settings)}
-    actual["gradient comm hooks"] = [hook.__name__ for hook, _ in ddp_model._comm_hooks]
-    actual["counted hook"] = ddp_model.comm_audit.comm_hook
-    actual["buffer comm hook"] = hasattr(ddp_model, "buffer_hook")
-    changed = [
-        f"{name} {actual[name]!r} (expected {value!r})" for name, value in expected.items() if actual[name] != value
-    ]
-    if changed:
-        raise LabError(
-            f"DDP is wrapped with settings the audit's expected counts do not assume: {'; '.join(changed)}; "
-            f"restore them in train.wrap_model, or change experiment.expected_epoch_counts with them"
-        )
-
-
 @dataclass
 class EpochTrace:
     """Where one rank's epoch synchronized and stepped, what each step did, and which samples the ranks read."""
 
     saved_activation_bytes: int = 0  # held from micro-batch 0's forward for its backward (saved_activations)
-    # Filled by checklist.py's witnesses from what happened: the backwards the hook saw synchronize, the
+    # Filled by audit/checklist.py's witnesses from what happened: the backwards the hook saw synchronize, the
     # optimizer's own step hooks, and the rest of the checklist's observations.
     sync_positions: list = field(default_factory=list)  # micro-batches whose backward synchronized
     step_positions: list = field(default_factory=list)  # micro-batches after which the optimizer stepped
@@ -376,52 +306,3 @@ def shard_coverage(sampler, split_size):
     read = torch.cat(gathered)
     inside = read[(read >= 0) & (read < split_size)]
     return {"samples_per_rank": indices.numel(), "distinct_samples": inside.unique().numel(), "split_size": split_size}
-
-
-# DDP's errors when a parameter's gradient comes twice in one backward, or never: what reentrant activation
-# checkpointing does (docs/checkpointing.md). DDP's own advice for the second,
-# find_unused_parameters=True, would hide it: the stages would train no more, silently.
-DDP_GRADIENT_ERRORS = {
-    "Expected to mark a variable ready only once": "DDP saw a parameter's gradient twice in one backward",
-    "Expected to have finished reduction in the prior iteration": "DDP found parameters that got no gradient in the last backward",
-}
-
-
-# DDP's reducer under static_graph=True meeting no_sync(): an internal assert at the first backward inside it
-# (pytorch/pytorch#143580); where the assert is lifted, DDP stops all-reducing after the first window instead
-# (pytorch/pytorch#187732), which the audit's counts and fingerprints show.
-STATIC_GRAPH_ASSERT = "expect_autograd_hooks_ INTERNAL ASSERT FAILED"
-
-
-def explain_ddp_error(error):
-    """A LabError of one line for DDP's gradient errors (None for any other error)."""
-    if STATIC_GRAPH_ASSERT in str(error):
-        return LabError(
-            f'--static-graph with no_sync(): DDP failed "{STATIC_GRAPH_ASSERT}" at the first backward inside '
-            f"no_sync() on torch {torch.__version__} (pytorch/pytorch#143580); run --mode no_sync without "
-            f"--static-graph",
-            kind="RuntimeError",
-            broken_process=True,  # the reducer, broken by its assert, aborts the process when it is destroyed
-        )
-    for marker, what in DDP_GRADIENT_ERRORS.items():
-        if marker in str(error):
-            return LabError(
-                f'{what} ("{marker}"): with activation checkpointing use torch.utils.checkpoint.checkpoint(..., '
-                f"use_reentrant=False), as model.CifarCNN does for --activation-checkpointing; reentrant checkpointing "
-                f"gives no gradient to a stage whose input needs none and, with find_unused_parameters=True, marks "
-                f"its parameters ready twice",
-                kind="RuntimeError",
-            )
-    return None
-
-
-@contextmanager
-def ddp_errors_explained():
-    """DDP's gradient errors raised inside become explain_ddp_error's one line; any other error stays as it is."""
-    try:
-        yield
-    except RuntimeError as error:
-        explained = explain_ddp_error(error)
-        if explained is None:
-            raise
-        raise explained from None

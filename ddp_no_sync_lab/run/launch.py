@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp_no_sync_lab import data, experiment, loaders, packed
+from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.cli import ArgumentParser, LabError
+from ddp_no_sync_lab.files import claim_output, is_replaceable_output
 from ddp_no_sync_lab.precision import choose_precision
-from ddp_no_sync_lab.records import claim_output, is_replaceable_output
+from ddp_no_sync_lab.tasks import data, loaders, packed
 
 SCRIPT = "train.py"
 # The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
@@ -126,7 +127,7 @@ def choose_device(requested, place, gpu_backend="nccl"):
 
 def check_output(output):
     """Fail before any training if the run folder cannot be written, would overwrite something not ours, or is
-    being written by a run still going. Returns the output's claim (records.claim_output), held by rank 0 for
+    being written by a run still going. Returns the output's claim (files.claim_output), held by rank 0 for
     the whole run."""
     if output.exists() and not output.is_dir():
         raise LabError(f"--output {output} is a file; pass a folder path, e.g. --output artifacts/every")
@@ -188,7 +189,7 @@ def require_same(place, claims, what, remedy):
             raise LabError(f"{ranks_label(rank, node)} {what} from rank 0's: {'; '.join(differences)}; {remedy}")
 
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # this file is ddp_no_sync_lab/run/launch.py
 LAB_ROOT = PACKAGE_ROOT.parent
 
 

@@ -10,7 +10,7 @@ model training does it, and the tokens each micro-batch and window hold.
                   it fits, else the row is padded and closed (a document longer than a row fills rows of its own,
                   each starting on the last token of the one before, so that no target is lost); a row's inputs
                   are its first ROW_LENGTH tokens, its targets the ROW_LENGTH after them
-    boundaries    masked in both: the attention sees only the same document (language.py), and the loss skips
+    boundaries    masked in both: the attention sees only the same document (tasks/language.py), and the loss skips
                   the target after a separator (the next document's first byte) and the padding
 
 So micro-batches and ranks hold unequal numbers of target tokens, which is what per-token normalization is for
@@ -26,9 +26,9 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.data import Split
 from ddp_no_sync_lab.experiment import IGNORE_INDEX, window_indices
-from ddp_no_sync_lab.loaders import Loaders, rank_share
+from ddp_no_sync_lab.tasks.data import Split
+from ddp_no_sync_lab.tasks.loaders import Loaders, rank_share
 
 CORPUS = "pydoc_data.topics"
 SEPARATOR = 0  # ends each document; also the padding's input token

@@ -1,5 +1,6 @@
-"""The records of a run: the artifact names, the run folder written all or nothing (atomic writes, checksums,
-run.json last), the run's configuration, its epoch rows and results; and reading them back for verify.py."""
+"""The run folder's files: their names, each written all or nothing, the folder published whole (run.json last,
+with every file's checksum) and claimed by one run at a time; and read back, with an AuditError that names the
+file, for verify.py and the tasks' checks."""
 
 import fcntl
 import hashlib
@@ -14,28 +15,40 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from PIL import Image, PngImagePlugin
 
-from ddp_no_sync_lab import pictures
 from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
-from model import CLASSES
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
 MODEL_FILE = "model.pt"
+
+
 HISTORY_FILE = "history.json"
+
+
 REPORT_FILE = "report.json"
+
+
 SAMPLE_FILE = "sample_test.png"
+
+
 CONFUSION_FILE = "confusion_matrix.png"
+
+
 RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and the checksum of every other file
+
+
 RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
+
+
 TEXT_RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE)  # the text task draws no sample or confusion matrix
+
+
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.
 PROFILE_FILE = "profile.json"
+
+
 PROFILE_TRACE_FILE = "profile_trace.rank{rank}.json"  # one Chrome trace per rank, as HolisticTraceAnalysis reads them
-# An epoch row's seconds from the collective clock, the ranks' waits too (audit.CollectiveClock.seconds_and_waits).
-CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
 
 
 def profile_trace_files(world_size):
@@ -227,119 +240,6 @@ def publish_interrupted(output):
     return read_json(output / RUN_RECORD_FILE)
 
 
-# ----------------------------------------------------------------------------- the run's configuration, rows and results
-
-
-def run_config(args, place, setup):
-    """Everything that must match between the two runs for their comparison to mean anything (the hardware
-    is recorded beside it: verify.py prints it and does not compare it)."""
-    sizes = setup.split.sizes
-    return {
-        "world_size": place.world_size,
-        "nodes": place.nodes,
-        "batch_size": args.batch_size,
-        "accum_steps": args.accum_steps,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "partial_window": args.partial_window,
-        "train_size": sizes["train"],
-        "validation_size": sizes["validation"],
-        "test_size": sizes["test"],
-        "data_layout": setup.source.layout,
-        "loader": args.loader,
-        "data_fingerprint": setup.source.fingerprint,
-        "data_synthetic": setup.source.synthetic,
-        "activation_checkpointing": args.activation_checkpointing,
-        "device": setup.device.type,
-        "backend": setup.backend,
-        "precision": setup.precision.name,
-        "hardware": setup.hardware,
-        **{setting: getattr(args, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
-        **({"strategy": args.strategy} if args.strategy != "ddp" else {}),  # where not the document's
-        "torch": torch.__version__,
-        "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
-    }
-
-
-def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, run_id, device, group):
-    """The epoch's JSON line from `epoch` (resume.EpochState: its trace, totals, the audit's totals at its start
-    and where it resumed) and the audit now: the document's fields first, then the rest of the audit. Losses,
-    correct and counts are summed over ranks; the seconds are means over ranks; the counts are this rank's (every
-    rank takes part in every collective, so they are the same on all)."""
-    trace, before, after = epoch.trace, epoch.audit_before, comm_audit.totals()
-    comm_seconds = after["comm_seconds"] - before["comm_seconds"]
-    timed = comm_audit.clock.seconds_and_waits(device, group)  # syncs, all-gathers
-    seconds = torch.tensor([*phase_seconds, comm_seconds, *timed], dtype=torch.float64, device=device)
-    summed = torch.cat([epoch.totals, seconds])
-    dist.all_reduce(summed, group=group)
-    loss_sum, correct, count, epoch_seconds_sum, validation_seconds_sum, *clocked_sums = summed.tolist()
-    world_size = dist.get_world_size()
-    validation_loss, validation_accuracy = validation
-    return {
-        "epoch": epoch.number,
-        "mode": mode,
-        "optimizer_steps": len(trace.step_positions),
-        "gradient_syncs": after["gradient_syncs"] - before["gradient_syncs"],
-        "train_loss": loss_sum / count,
-        "train_accuracy": correct / count,
-        "validation_loss": validation_loss,
-        "validation_accuracy": validation_accuracy,
-        **{key: after[key] - before[key] for key in COUNTS if key != "gradient_syncs"},
-        # The clock's: all collectives; the training's syncs and all-gathers since any resume, with the ranks' wait.
-        **{key: total / world_size for key, total in zip(CLOCKED_SECONDS, clocked_sums, strict=True)},
-        "epoch_seconds": epoch_seconds_sum / world_size,
-        "train_images_per_second": count / (epoch_seconds_sum / world_size),
-        "validation_seconds": validation_seconds_sum / world_size,
-        # Where, not only how many (rank 0's): micro-batch indices as [start, stop, step] runs.
-        "gradient_sync_positions": as_progressions(trace.sync_positions),
-        "optimizer_step_positions": as_progressions(trace.step_positions),
-        # What each step did (every rank's fingerprints, one small all-reduce per step) and what the ranks read.
-        **trace.step_verdicts(),
-        "sample_shards": trace.sample_shards,
-        # The document's checklist as the witnesses saw it (checklist.py; verify.py checks each item).
-        "checklist": trace.checklist_summary,
-        # Where this epoch resumed after a stop (micro-batch indices); the new wrapper's first broadcast is counted.
-        "resumed_at": epoch.resumed_at,
-        # Memory (rank 0's): activations held for the backward per micro-batch; on CUDA the allocator's peak.
-        "saved_activation_bytes": trace.saved_activation_bytes,
-        "peak_allocated_bytes": peak_bytes,
-        "held_bytes": dict(zip(("gradients", "parameters"), trace.held_bytes)),  # most between micro-batches
-        "run_id": run_id,
-    }
-
-
-def write_results(folder, args, config, confusion, majority, weights, test_image, test_metrics, run_id, started_at):
-    """Rank 0: report, checkpoint and pictures into the run's partial folder. Returns the report and the run
-    record whose publish (RunFolder.publish) makes them the run."""
-    matrix = confusion.tolist()
-    test_size = config["test_size"]
-    report = {
-        "mode": args.mode,
-        "baseline_class": CLASSES[majority],
-        "baseline_accuracy": sum(matrix[majority]) / test_size,
-        "model_test_loss": test_metrics[0],
-        "model_test_accuracy": test_metrics[1],
-        "confusion_matrix": matrix,
-        "top_confusions": top_confusions(matrix),
-        "run_id": run_id,
-        "config": config,
-    }
-    checkpoint = {
-        "model": weights,
-        "classes": CLASSES,
-        "seed": args.seed,
-        "run_id": run_id,
-        "mode": args.mode,
-        "precision": config["precision"],
-    }
-    folder.write(MODEL_FILE, torch_bytes(checkpoint))
-    folder.write(REPORT_FILE, json_bytes(report))
-    folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
-    image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
-    folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
-    return report, run_record(args, config, run_id, started_at, str(args.data_dir))
-
-
 def run_record(args, config, run_id, started_at, data_dir):
     """run.json's content, published last (RunFolder.publish): it makes the folder's other files the run."""
     return {
@@ -350,24 +250,6 @@ def run_record(args, config, run_id, started_at, data_dir):
         "started_at": started_at,
         "finished_at": utc_now(),
     }
-
-
-def top_confusions(matrix, limit=5):
-    """The most frequent off-diagonal (true, predicted, count) pairs: count descending, then class order."""
-    pairs = [
-        (count, true, predicted)
-        for true, row in enumerate(matrix)
-        for predicted, count in enumerate(row)
-        if true != predicted and count > 0
-    ]
-    pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
-    return [
-        {"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count}
-        for count, true, predicted in pairs[:limit]
-    ]
-
-
-# ----------------------------------------------------------------------------- reading the records back (verify.py)
 
 
 class AuditError(LabError):

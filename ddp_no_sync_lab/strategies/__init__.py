@@ -1,0 +1,6 @@
+"""The wrappers train_epoch drives (no_sync(), a backward, the optimizer's step, a full state dict) and what the
+audit must know of each: its own collectives, its settings, its expected counts.
+
+    ddp           DDP: AuditedDDP, the settings check, DDP's gradient errors in one line
+    fsdp          FSDP2: the CNN under fully_shard, its collectives counted, its reduction made the mean
+"""
