@@ -54,6 +54,7 @@ from ddp_no_sync_lab.tasks import data, language, loaders, packed
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT
+tap.TAP.install()  # the byte witness, beneath anything that wraps torch.distributed.all_reduce later
 
 
 def parse_args(argv=None):
@@ -146,7 +147,7 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
     )
     ddp_model.comm_audit = comm_audit
     ddp_model.register_comm_hook(comm_audit, counting_allreduce_hook)
-    ddp.check_ddp_settings(ddp_model, settings)
+    ddp.check_ddp_settings(ddp_model, settings, counting_allreduce_hook)
     return ddp_model, comm_audit
 
 

@@ -4,11 +4,13 @@ experiment; verify.py printing the checklist."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import SMALL_RUN, assert_ok, copy_runs, read_json, torchrun, verify
+from conftest import REPO, SMALL_RUN, assert_ok, copy_runs, read_json, subprocess_env, torchrun, verify
 from ddp_no_sync_lab import experiment, files
 from ddp_no_sync_lab.audit import scale
 from ddp_no_sync_lab.checks import certify, strict_audit
@@ -93,6 +95,26 @@ def test_a_compression_label_that_lies_is_refused_by_the_bytes_handed_to_the_col
     sent = experiment.comm_sizes(CifarCNN()).gradient_bytes * rows[0]["gradient_syncs"]
     assert f"expected {sent // 2} all-reduced bytes, got {sent} (epoch 1)" in line
     assert line.endswith(certify.item(9))
+
+
+def test_the_byte_witness_wraps_nothing_until_installed_and_installs_once():
+    """Importing the tap changes no collective; train.py installs it as it is loaded, wrapping
+    torch.distributed.all_reduce once (a second install changes nothing). A fresh interpreter: nothing before."""
+    program = """
+import torch.distributed as dist
+original = dist.all_reduce
+from ddp_no_sync_lab.audit import tap
+assert dist.all_reduce is original and tap.TAP.original is None
+import train
+wrapped = dist.all_reduce
+assert wrapped is not original and tap.TAP.original is original
+assert tap.TAP.install() is tap.TAP and dist.all_reduce is wrapped
+print("tap ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout == "tap ok\n", result.stderr
 
 
 def test_the_witnesses_saw_the_correct_runs_as_they_are(lab_runs):

@@ -150,6 +150,11 @@ def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_cal
     assert all("different numbers of syncs or all-gathers" in rank["refused"] for rank in measured["waits"])
 
 
+def counting_allreduce_hook(comm_audit, bucket):
+    """Named as train.py's counting hook, and all-reducing as it does, but counting nothing."""
+    return torch.distributed.all_reduce(bucket.buffer(), group=comm_audit.group, async_op=True).get_future()
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
@@ -160,23 +165,29 @@ def test_each_ranks_wait_is_its_time_beyond_the_least_any_rank_spent_in_each_cal
         ({"bucket_cap_mb": 1}, "bucket_bytes_cap 1048576 (expected 26214400)"),
         ({"comm_hook": "bf16"}, "counted hook 'bf16' (expected 'allreduce')"),
         ({"hooks": "none"}, "gradient comm hooks [] (expected ['counting_allreduce_hook'])"),
+        (
+            {"hooks": "same name"},
+            "comm hooks ['test_comm_audit.counting_allreduce_hook'] (expected ['counting_allreduce",
+        ),
         ({"hooks": "buffer"}, "buffer comm hook True (expected False)"),
     ],
 )
 def test_ddp_settings_the_counts_rely_on_are_checked_when_wrapping(one_process_group, change, named):
     """The settings DDP holds, read back from the wrapper, against the run's (here the documented ones)."""
     cpu, documented = torch.device("cpu"), experiment.DDP_DEFAULTS
-    ddp.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0], documented)  # the lab's own wrapping passes
+    ddp.check_ddp_settings(train.wrap_model(CifarCNN(), cpu, 1)[0], documented, train.counting_allreduce_hook)
     hooks = change.pop("hooks", "counting")
     comm_hook = change.pop("comm_hook", "allreduce")
     ddp_model = ddp.AuditedDDP(CifarCNN(), **{"bucket_cap_mb": experiment.BUCKET_CAP_MB, **change})
     ddp_model.comm_audit = instruments.CommAudit(1, comm_hook=comm_hook)
-    if hooks != "none":
+    if hooks == "same name":  # another function of the counting hook's name: found by identity, not by name
+        ddp_model.register_comm_hook(ddp_model.comm_audit, counting_allreduce_hook)
+    elif hooks != "none":
         ddp_model.register_comm_hook(ddp_model.comm_audit, train.counting_allreduce_hook)
     if hooks == "buffer":
         ddp_model._register_buffer_comm_hook(None, lambda state, buffers: [])
     with pytest.raises(cli.LabError) as caught:
-        ddp.check_ddp_settings(ddp_model, documented)
+        ddp.check_ddp_settings(ddp_model, documented, train.counting_allreduce_hook)
     message = str(caught.value)
     assert message.startswith("DDP is wrapped with settings the audit's expected counts do not assume: ")
     assert named in message and message.endswith("or change experiment.expected_epoch_counts with them")

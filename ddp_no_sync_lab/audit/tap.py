@@ -8,18 +8,27 @@ import torch.distributed as dist
 
 class CollectiveTap:
     """What a gradient hook hands to torch.distributed.all_reduce, read from the call itself: each tensor's dtype
-    and element count. Installed once per process; it records only inside `handed()` on the calling thread."""
+    and element count. Installed once per process, on request (install); it records only inside `handed()` on
+    the calling thread."""
 
     def __init__(self):
         self.local = threading.local()
-        self.original = dist.all_reduce
+        self.original = None  # torch.distributed.all_reduce as install found it
 
-        def all_reduce(tensor, *args, **kwargs):
-            if getattr(self.local, "handed", None) is not None:
-                self.local.handed.append((tensor.dtype, tensor.numel()))
-            return self.original(tensor, *args, **kwargs)
+    def install(self):
+        """Wrap torch.distributed.all_reduce, once per process (a second call changes nothing): torch's hooks call
+        it through the package at call time. Installed before anything else wraps it, the tap sits beneath every
+        later wrapper and reads what reaches torch's own all_reduce."""
+        if self.original is None:
+            self.original = dist.all_reduce
 
-        dist.all_reduce = all_reduce  # torch's hooks call dist.all_reduce through the package at call time
+            def all_reduce(tensor, *args, **kwargs):
+                if getattr(self.local, "handed", None) is not None:
+                    self.local.handed.append((tensor.dtype, tensor.numel()))
+                return self.original(tensor, *args, **kwargs)
+
+            dist.all_reduce = all_reduce
+        return self
 
     @contextmanager
     def handed(self):
@@ -31,4 +40,4 @@ class CollectiveTap:
             self.local.handed = None
 
 
-TAP = CollectiveTap()  # installed at import, before anything else wraps torch.distributed.all_reduce
+TAP = CollectiveTap()  # the process's one tap; nothing is wrapped until TAP.install()
