@@ -46,6 +46,7 @@ from ddp_no_sync_lab.audit import checklist, instruments, tap
 from ddp_no_sync_lab.audit.memory import saved_activations
 from ddp_no_sync_lab.audit.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
 from ddp_no_sync_lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
+from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import PRECISIONS
 from ddp_no_sync_lab.run import launch, records, resume
 from ddp_no_sync_lab.strategies import ddp
@@ -99,7 +100,8 @@ def parse_args(argv=None):
     add("--checkpoint-every-windows", type=positive_int, metavar="N", help="save the state every N windows too")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")
-    return fsdp_in_range(parser, experiment.in_range(parser, parser.parse_args(argv)))
+    options = TrainOptions(**vars(parser.parse_args(argv)))
+    return fsdp_in_range(parser, experiment.in_range(parser, options))
 
 
 # ----------------------------------------------------------------------------- DDP and its counting hook
@@ -284,18 +286,18 @@ class Training:
     autocast: partial
 
 
-def make_training(args, place, setup, config):
+def make_training(options, place, setup, config):
     """The plan, then the model (its seeded weights), its wrapper, the loss and the optimizer, in that order; the
     configuration gains what they decided."""
-    text = args.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
-    plan = experiment.window_plan(len(setup.loaders.train), args.accum_steps, args.partial_window)
-    if not text and args.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
-        config.update(loss_normalization=args.loss_normalization)
+    text = options.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
+    plan = experiment.window_plan(len(setup.loaders.train), options.accum_steps, options.partial_window)
+    if not text and options.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
+        config.update(loss_normalization=options.loss_normalization)
     plan = plan if text else experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
 
-    model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=args.activation_checkpointing)
+    model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=options.activation_checkpointing)
     model = model.to(setup.device, memory_format=MEMORY_FORMAT)
-    if args.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/strategies/fsdp.py)
+    if options.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/strategies/fsdp.py)
         ddp_model, comm_audit = wrap_sharded(model, setup.device, place.world_size, setup.group, config)
     else:
         settings = experiment.ddp_settings(config)
@@ -304,24 +306,26 @@ def make_training(args, place, setup, config):
     optimizer = make_optimizer(ddp_model.parameters(), setup.device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
     config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
-    config.update(language.text_config(args) if text else {})
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    config.update(language.text_config(options) if text else {})
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.epochs)
     autocast = partial(setup.precision.autocast, setup.device.type)
     return Training(plan, model, ddp_model, comm_audit, criterion, optimizer, scheduler, autocast)
 
 
-def run(args, place):
-    setup = launch.start_up(args, place)
-    config = records.run_config(args, place, setup)
-    training = make_training(args, place, setup, config)
+def run(options, place):
+    setup = launch.start_up(options, place)
+    config = records.run_config(options, place, setup)
+    training = make_training(options, place, setup, config)
     ddp_model, comm_audit = training.ddp_model, training.comm_audit
     profiler = None
-    if args.profile_windows:
-        profiler = WindowProfiler(args.profile_windows, args.accum_steps, len(training.plan), setup.device, comm_audit)
+    if options.profile_windows:
+        profiler = WindowProfiler(
+            options.profile_windows, options.accum_steps, len(training.plan), setup.device, comm_audit
+        )
     is_writer = place.rank == 0
-    progress = Progress(enabled=is_writer and not args.quiet, interval=args.progress_every)
+    progress = Progress(enabled=is_writer and not options.quiet, interval=options.progress_every)
     evaluate_on = partial(
-        language.evaluate if args.task == "text" else evaluate,
+        language.evaluate if options.task == "text" else evaluate,
         ddp_model,
         criterion=training.criterion,
         device=setup.device,
@@ -329,11 +333,11 @@ def run(args, place):
         progress=progress,
         group=setup.group,
     )
-    session = resume.Session(args, place, config, setup.device)  # a saved state to resume from, or none
+    session = resume.Session(options, place, config, setup.device)  # a saved state to resume from, or none
     if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
         return
     run_id, started_at = session.run_id or files.new_run_id(), files.utc_now()
-    folder = files.RunFolder(args.output, run_id)
+    folder = files.RunFolder(options.output, run_id)
     if is_writer:
         folder.begin(resuming=session.state is not None)
     history = []
@@ -341,15 +345,17 @@ def run(args, place):
     session.attach(folder, trained, comm_audit, setup.loaders.train, history)
     epoch = session.restore() if session.state else resume.EpochState(1)
 
-    while epoch.number <= args.epochs:
+    while epoch.number <= options.epochs:
         profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
-        row = train_and_validate(args, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id)
+        row = train_and_validate(
+            options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id
+        )
         history.append(row)
         if is_writer:
             print(json.dumps(row), flush=True)
             folder.write(files.HISTORY_FILE, files.json_bytes(history))  # a killed run leaves its history so far
         if profiled:
-            profiled.write(folder, place, args.profile_windows)
+            profiled.write(folder, place, options.profile_windows)
         epoch = resume.EpochState(epoch.number + 1)
         session.epoch_end(epoch)  # saves the state; stops here if a rank was asked to
 
@@ -357,31 +363,31 @@ def run(args, place):
     test = evaluate_on(setup.loaders.test, label="test")
     weights = ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
     if is_writer:
-        report, run_record = write_results(args, setup, config, training, folder, test, weights, run_id, started_at)
+        report, run_record = write_results(options, setup, config, training, folder, test, weights, run_id, started_at)
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
         folder.publish({**run_record, "launch_id": place.job, "segments": session.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     instruments.settle_comm_hooks()
 
 
-def train_and_validate(args, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
+def train_and_validate(options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
     """One epoch's training (from where a resumed one stopped) and validation; its history row."""
     device, ddp_model, comm_audit = setup.device, training.ddp_model, training.comm_audit
     setup.split.train_sampler.set_epoch(epoch.number - 1)
-    progress.prefix = f"epoch {epoch.number}/{args.epochs} "
+    progress.prefix = f"epoch {epoch.number}/{options.epochs} "
     epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     epoch.segment_started = instruments.read_clock(device)
     plan = training.plan
-    if args.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
-        plan = packed.loss_plan(plan, setup.split, args, place, epoch.number - 1)
+    if options.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
+        plan = packed.loss_plan(plan, setup.split, options, place, epoch.number - 1)
     with profiled or nullcontext(), ddp.ddp_errors_explained():
         train_epoch(
             ddp_model,
             setup.loaders.train,
             plan,
-            args.mode,
+            options.mode,
             training.optimizer,
             training.criterion,
             device,
@@ -400,28 +406,30 @@ def train_and_validate(args, place, setup, training, epoch, session, profiled, p
     epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
     training.scheduler.step()
     return records.epoch_row(
-        epoch, args.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group
+        epoch, options.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group
     )
 
 
-def write_results(args, setup, config, training, folder, test, weights, run_id, started_at):
+def write_results(options, setup, config, training, folder, test, weights, run_id, started_at):
     """The run's report and record (rank 0): the text task's, or the document's (its test results, the confusion
     matrix, a sample image)."""
-    if args.task == "text":
-        return language.write_results(folder, args, config, test, setup.split, training.model, run_id, started_at)
+    if options.task == "text":
+        return language.write_results(folder, options, config, test, setup.split, training.model, run_id, started_at)
     majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
     sample = setup.source.test_images[0]
-    return records.write_results(folder, args, config, test[2], majority, weights, sample, test[:2], run_id, started_at)
+    return records.write_results(
+        folder, options, config, test[2], majority, weights, sample, test[:2], run_id, started_at
+    )
 
 
 @record
 def main():
     try:
-        args, usage_error = parse_args(), None
+        options, usage_error = parse_args(), None
     except LabError as error:
-        args, usage_error = None, error
+        options, usage_error = None, error
     try:
-        place = launch.launch_environment(args.expected_world_size if args else None)
+        place = launch.launch_environment(options.expected_world_size if options else None)
     except LabError as error:
         exit_with(usage_error or error, SCRIPT, show=os.environ.get("LOCAL_RANK", "0") == "0")
     try:
@@ -429,9 +437,10 @@ def main():
         try:
             # The options parsed, and the world of the expected size, on every node.
             launch.agree(
-                place, lambda: launch.raise_if(usage_error) or launch.check_world_size(place, args.expected_world_size)
+                place,
+                lambda: launch.raise_if(usage_error) or launch.check_world_size(place, options.expected_world_size),
             )
-            run(args, place)
+            run(options, place)
         finally:
             with launch.bounded_teardown(place):
                 dist.destroy_process_group()

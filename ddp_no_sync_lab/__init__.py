@@ -1,9 +1,10 @@
 """The lab's machinery beneath the document's scripts (train.py, verify.py, infer.py, check_env.py), by concern:
-four shared modules, then one folder per concern, each with an __init__ that lists its modules. Listed bottom up:
+five shared modules, then one folder per concern, each with an __init__ that lists its modules. Listed bottom up:
 a module imports only what is listed above it here or in its own folder's list (and model.py, which imports
 nothing of the lab); tests/test_architecture.py checks it, docs/architecture.md draws what flows between them.
 
     cli           errors as one line that names the remedy, argparse with such lines, progress on stderr
+    options       train.py's options as one frozen, typed object, completed once, then only read
     experiment    the documented configuration, the window plan, the exact counts a configuration implies
     precision     BF16 autocast or float32, chosen for the hardware
     files         the run folder's files: named, each written all or nothing, published whole, read back

@@ -3,10 +3,12 @@ train.py executes and verify.py counts, and the arithmetic from a configuration 
 each epoch. Each fact lives here once; train.py's defaults and verify.py's strict audit both come from here.
 """
 
+import argparse
 import math
 from dataclasses import dataclass, replace
 
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.options import TrainOptions
 
 MODES, STRATEGIES = ("every", "no_sync"), ("ddp", "fsdp")  # DDP's replicas; FSDP2's shards (strategies/fsdp.py)
 TASKS = ("cifar10", "text")  # the document's image task; packed sequences of text (tasks/packed.py, docs/packed.md)
@@ -122,23 +124,24 @@ def seed_range_error(seed, epochs, world_size):
     return None
 
 
-def in_range(parser, args):
+def in_range(parser: argparse.ArgumentParser, options: TrainOptions) -> TrainOptions:
     """train.py's options whose range depends on torch's limits or on other options, checked at parse time;
-    the task's documented values for those not given."""
-    for name in ("epochs", "batch_size", "partial_window"):
-        if getattr(args, name) is None:
-            setattr(args, name, documented(args.task)[name])
-    if args.task == "text" and args.loader != "tensor":
+    returned completed with the task's documented values for those not given."""
+    given = {name: getattr(options, name) for name in ("epochs", "batch_size", "partial_window")}
+    options = replace(
+        options, **{name: documented(options.task)[name] for name, value in given.items() if value is None}
+    )
+    if options.task == "text" and options.loader != "tensor":
         parser.error("argument --loader: the text task has one loader (its packed rows on the device); drop --loader")
-    seed_error = seed_range_error(args.seed, args.epochs, args.expected_world_size)
+    seed_error = seed_range_error(options.seed, options.epochs, options.expected_world_size)
     if seed_error:
         parser.error(f"argument --seed: {seed_error}")
-    if not args.bucket_cap_mb < BUCKET_CAP_MB_LIMIT:
+    if not options.bucket_cap_mb < BUCKET_CAP_MB_LIMIT:
         parser.error(
             f"argument --bucket-cap-mb: must be below 2**43 = {BUCKET_CAP_MB_LIMIT} (DDP holds the cap in "
-            f"bytes as a 64-bit integer; any cap above the model's size makes one bucket), got {args.bucket_cap_mb:g}"
+            f"bytes as a 64-bit integer; any cap above the model's size makes one bucket), got {options.bucket_cap_mb:g}"
         )
-    return args
+    return options
 
 
 def window_plan(num_micro_batches, accum_steps, partial_window):

@@ -18,6 +18,7 @@ import torch
 from PIL import Image, PngImagePlugin
 
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.options import TrainOptions
 
 # Artifact names inside one run folder (artifacts/every, artifacts/no_sync).
 MODEL_FILE = "model.pt"
@@ -240,11 +241,11 @@ def publish_interrupted(output):
     return read_json(output / RUN_RECORD_FILE)
 
 
-def run_record(args, config, run_id, started_at, data_dir):
+def run_record(options: TrainOptions, config: dict, run_id: str, started_at: str, data_dir: str) -> dict:
     """run.json's content, published last (RunFolder.publish): it makes the folder's other files the run."""
     return {
         "run_id": run_id,
-        "mode": args.mode,
+        "mode": options.mode,
         "config": config,
         "data_dir": data_dir,
         "started_at": started_at,

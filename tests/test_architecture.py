@@ -83,6 +83,17 @@ def test_no_script_is_imported_by_another_script_except_model():
         assert imported_lab_modules(REPO / script) - set(layer_order()) <= {"model.py"}, script
 
 
+def test_no_module_beneath_the_scripts_reads_the_argparse_namespace():
+    """train.py hands its options down as one frozen TrainOptions; nothing beneath parses, takes or reads an
+    argparse namespace (no parameter or variable named args, no parse_args, no Namespace)."""
+    for name in layer_order():
+        for node in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(node, ast.arguments):
+                assert "args" not in [argument.arg for argument in node.posonlyargs + node.args + node.kwonlyargs], name
+            assert not (isinstance(node, ast.Attribute) and node.attr in ("parse_args", "Namespace")), name
+            assert not (isinstance(node, ast.Name) and node.id == "args" and isinstance(node.ctx, ast.Store)), name
+
+
 # Units are cut where their concerns divide: a function past FUNCTION_LINES is a list of jobs, unless it draws one
 # picture or prints one table, which read best whole.
 FUNCTION_LINES, MODULE_ALARM = 60, 500

@@ -7,6 +7,7 @@ train, 13 micro-batches of 8 rows per rank and epoch (the last of 1 row), 4 wind
 uses real packed rows of the whole corpus.
 """
 
+import dataclasses
 import json
 import math
 import shutil
@@ -29,6 +30,7 @@ from conftest import (
 from ddp_no_sync_lab import experiment, files
 from ddp_no_sync_lab.checks import certify
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.tasks import packed
 
 CHARACTERS = 300
@@ -254,6 +256,10 @@ def test_each_tasks_options_and_defaults(tmp_path):
     assert documented == {key: experiment.TEXT_DOCUMENTED[key] for key in documented}
     args = train.parse_args(["--mode", "every", "--output", str(tmp_path)])
     assert (args.epochs, args.batch_size, args.partial_window, args.loss_normalization) == (5, 50, "error", "tokens")
+    # One frozen, typed object, its fields the parser's own, read by every module beneath train.py, never changed.
+    assert type(args) is TrainOptions and args.output == tmp_path and args.profile_windows is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.epochs = 1
 
 
 @pytest.mark.torchrun

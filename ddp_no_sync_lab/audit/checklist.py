@@ -237,11 +237,11 @@ class Witness:
             self.own_views[index].copy_(gradient)
             self.own_arrived.add(index)
 
-    def on_step_begin(self, optimizer, args, kwargs):
+    def on_step_begin(self, optimizer, step_args, step_kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
         self.reduce_window()
 
-    def on_step_end(self, optimizer, args, kwargs):
+    def on_step_end(self, optimizer, step_args, step_kwargs):
         """A step follows the last backward that began (a step between a forward and its backward belongs to
         the micro-batch before, and is recorded as such too)."""
         forward = self.trace.micro_batches - 1

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.cli import ArgumentParser, LabError
 from ddp_no_sync_lab.files import claim_output, is_replaceable_output
+from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import choose_precision
 from ddp_no_sync_lab.tasks import data, loaders, packed
 
@@ -215,10 +216,10 @@ def code_and_versions():
     }
 
 
-def shared_settings(args):
+def shared_settings(options: TrainOptions) -> dict:
     """The options that must be the same on every node (--output and --data-dir are each node's own)."""
     return {
-        f"--{name.replace('_', '-')}": getattr(args, name)
+        f"--{name.replace('_', '-')}": getattr(options, name)
         for name in (
             "mode",
             "strategy",
@@ -259,18 +260,18 @@ class Setup:
     loaders: loaders.Loaders
 
 
-def start_up(args, place):
+def start_up(options: TrainOptions, place: Place) -> Setup:
     """Settings, device, precision, output and data agreed by every rank; then the training group, the seeds,
     the seeded split and this rank's loaders. One call, before any training collective."""
 
     def settle_here():
-        device_type = choose_device(args.device, place, args.gpu_backend)
+        device_type = choose_device(options.device, place, options.gpu_backend)
         # Only the rank that writes the artifacts touches the output folder.
-        return device_type, check_output(args.output) if place.rank == 0 else None
+        return device_type, check_output(options.output) if place.rank == 0 else None
 
     device_type, output_claim = agree(place, settle_here)
     if place.nodes > 1:  # torchrun numbers the nodes itself: say where the artifacts will be
-        writer = [(socket.gethostname(), str(args.output.resolve()))]
+        writer = [(socket.gethostname(), str(options.output.resolve()))]
         dist.broadcast_object_list(writer, src=0)
         if place.local_rank == 0:
             host, output = writer[0]
@@ -280,7 +281,7 @@ def start_up(args, place):
             )
     require_same(
         place,
-        shared_settings(args),
+        shared_settings(options),
         "its train.py options differ",
         "start train.py with the same options on every node",
     )
@@ -293,22 +294,29 @@ def start_up(args, place):
     if device_type == "cuda":  # a GPU per process, or with --gpu-backend gloo processes sharing them in turn
         device = torch.device("cuda", place.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    precision, hardware = agree_on_precision(args, place, device)
-    text = args.task == "text"  # its corpus ships with Python: nothing to fetch, the same on every node's Python
+    precision, hardware = agree_on_precision(options, place, device)
+    text = options.task == "text"  # its corpus ships with Python: nothing to fetch, the same on every node's Python
     # One process per node fetches the data for its node; the node's other processes wait here for it.
-    agree(place, lambda: data.prepare_data(args.data_dir) if place.local_rank == 0 and not text else None)
-    source = agree(place, packed.load_corpus if text else lambda: data.load_data(args.data_dir))
-    where = f"Python's {packed.CORPUS}" if text else f"{args.data_dir}/"
+    agree(place, lambda: data.prepare_data(options.data_dir) if place.local_rank == 0 and not text else None)
+    source = agree(place, packed.load_corpus if text else lambda: data.load_data(options.data_dir))
+    where = f"Python's {packed.CORPUS}" if text else f"{options.data_dir}/"
     remedy = "run every node on the same Python" if text else "give every node the same copy of the dataset"
     require_same(place, source.summary(), f"its data in {where} differ", remedy)
-    group = training_group(device, args.gpu_backend)
-    seed_everything(args.seed + place.rank)
-    split = (packed if text else data).make_split(source, args.seed, place.rank, place.world_size)
+    group = training_group(device, options.gpu_backend)
+    seed_everything(options.seed + place.rank)
+    split = (packed if text else data).make_split(source, options.seed, place.rank, place.world_size)
     if text:
-        rank_loaders = packed.build_loaders(split, args.batch_size, place.rank, place.world_size, device)
+        rank_loaders = packed.build_loaders(split, options.batch_size, place.rank, place.world_size, device)
     else:
         rank_loaders = loaders.build_loaders(
-            args.loader, source, split, args.batch_size, place.rank, place.world_size, device, args.seed + place.rank
+            options.loader,
+            source,
+            split,
+            options.batch_size,
+            place.rank,
+            place.world_size,
+            device,
+            options.seed + place.rank,
         )
     backend = dist.get_backend(group)
     return Setup(device, group, backend, code, precision, hardware, output_claim, source, split, rank_loaders)
@@ -324,10 +332,10 @@ def training_group(device, gpu_backend="nccl"):
     return dist.new_group(backend="nccl", timeout=NCCL_TIMEOUT)
 
 
-def agree_on_precision(args, place, device):
+def agree_on_precision(options: TrainOptions, place: Place, device: torch.device):
     """Every rank's --precision decision must be rank 0's: nodes of unlike CPUs would otherwise train in
     different numerics under `auto`. Returns the Precision and the distinct hardware of all ranks."""
-    precision = agree(place, lambda: choose_precision(args.precision, device))
+    precision = agree(place, lambda: choose_precision(options.precision, device))
     gathered = [None] * place.world_size
     dist.all_gather_object(gathered, (place.rank, place.node, precision))
     reference = gathered[0][2]

@@ -18,39 +18,41 @@ from ddp_no_sync_lab.files import (
     run_record,
     torch_bytes,
 )
+from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.report import pictures
+from ddp_no_sync_lab.run.launch import Place, Setup
 from model import CLASSES
 
 # An epoch row's seconds from the collective clock, the ranks' waits too (CollectiveClock.seconds_and_waits).
 CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
 
 
-def run_config(args, place, setup):
+def run_config(options: TrainOptions, place: Place, setup: Setup) -> dict:
     """Everything that must match between the two runs for their comparison to mean anything (the hardware
     is recorded beside it: verify.py prints it and does not compare it)."""
     sizes = setup.split.sizes
     return {
         "world_size": place.world_size,
         "nodes": place.nodes,
-        "batch_size": args.batch_size,
-        "accum_steps": args.accum_steps,
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "partial_window": args.partial_window,
+        "batch_size": options.batch_size,
+        "accum_steps": options.accum_steps,
+        "epochs": options.epochs,
+        "seed": options.seed,
+        "partial_window": options.partial_window,
         "train_size": sizes["train"],
         "validation_size": sizes["validation"],
         "test_size": sizes["test"],
         "data_layout": setup.source.layout,
-        "loader": args.loader,
+        "loader": options.loader,
         "data_fingerprint": setup.source.fingerprint,
         "data_synthetic": setup.source.synthetic,
-        "activation_checkpointing": args.activation_checkpointing,
+        "activation_checkpointing": options.activation_checkpointing,
         "device": setup.device.type,
         "backend": setup.backend,
         "precision": setup.precision.name,
         "hardware": setup.hardware,
-        **{setting: getattr(args, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
-        **({"strategy": args.strategy} if args.strategy != "ddp" else {}),  # where not the document's
+        **{setting: getattr(options, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
+        **({"strategy": options.strategy} if options.strategy != "ddp" else {}),  # where not the document's
         "torch": torch.__version__,
         "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }
@@ -103,13 +105,13 @@ def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, ru
     }
 
 
-def write_results(folder, args, config, confusion, majority, weights, test_image, test_metrics, run_id, started_at):
+def write_results(folder, options, config, confusion, majority, weights, test_image, test_metrics, run_id, started_at):
     """Rank 0: report, checkpoint and pictures into the run's partial folder. Returns the report and the run
     record whose publish (RunFolder.publish) makes them the run."""
     matrix = confusion.tolist()
     test_size = config["test_size"]
     report = {
-        "mode": args.mode,
+        "mode": options.mode,
         "baseline_class": CLASSES[majority],
         "baseline_accuracy": sum(matrix[majority]) / test_size,
         "model_test_loss": test_metrics[0],
@@ -122,17 +124,17 @@ def write_results(folder, args, config, confusion, majority, weights, test_image
     checkpoint = {
         "model": weights,
         "classes": CLASSES,
-        "seed": args.seed,
+        "seed": options.seed,
         "run_id": run_id,
-        "mode": args.mode,
+        "mode": options.mode,
         "precision": config["precision"],
     }
     folder.write(MODEL_FILE, torch_bytes(checkpoint))
     folder.write(REPORT_FILE, json_bytes(report))
     folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
-    image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{args.mode}: test confusion matrix")
+    image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{options.mode}: test confusion matrix")
     folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
-    return report, run_record(args, config, run_id, started_at, str(args.data_dir))
+    return report, run_record(options, config, run_id, started_at, str(options.data_dir))
 
 
 def top_confusions(matrix, limit=5):

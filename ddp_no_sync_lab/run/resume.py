@@ -39,7 +39,8 @@ import torch.distributed as dist
 from ddp_no_sync_lab import files
 from ddp_no_sync_lab.audit.instruments import STOP_REQUESTED, EpochTrace
 from ddp_no_sync_lab.cli import LabError
-from ddp_no_sync_lab.run.launch import agree
+from ddp_no_sync_lab.options import TrainOptions
+from ddp_no_sync_lab.run.launch import Place, agree
 
 STATE_FILE = "resume_state-{number:06d}.pt"  # save number N
 STATE_RECORD = "resume_state-{number:06d}.json"  # written after its state: its size, SHA-256 and position
@@ -168,10 +169,10 @@ def portable(epoch):
 class Session:
     """One run's saves: whether it resumes and from what, each save, and SIGTERM turned into a stop."""
 
-    def __init__(self, args, place, config, device):
+    def __init__(self, options: TrainOptions, place: Place, config: dict, device: torch.device):
         self.place, self.device = place, device
-        self.identity = {**config, "mode": args.mode}  # what a resumed run must share with the saved one
-        self.every_windows = args.checkpoint_every_windows
+        self.identity = {**config, "mode": options.mode}  # what a resumed run must share with the saved one
+        self.every_windows = options.checkpoint_every_windows
         self.stop_requested = False
         self.first_sigterm = None
         signal.signal(signal.SIGTERM, self.on_sigterm)
@@ -183,19 +184,19 @@ class Session:
         def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
             if place.rank != 0:
                 return None
-            published = files.publish_interrupted(args.output)  # a complete run is never lost or retrained
+            published = files.publish_interrupted(options.output)  # a complete run is never lost or retrained
             if published:
                 print(
                     f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
-                    f"{args.output}",
+                    f"{options.output}",
                     file=sys.stderr,
                 )
-            if not (args.resume or restarted.item()):
+            if not (options.resume or restarted.item()):
                 return None
-            folder = unfinished_with_state(args.output)
+            folder = unfinished_with_state(options.output)
             if folder is None:
-                job = None if published or args.resume else place.job  # a restart: only this job's own run
-                return finished_run(args.output, self.identity, job)
+                job = None if published or options.resume else place.job  # a restart: only this job's own run
+                return finished_run(options.output, self.identity, job)
             state, self.save_number = read_state(folder)
             differ = differences(state["config"], self.identity)
             if differ:

@@ -16,6 +16,7 @@ counts a configuration implies.
                    nor is DDP's)
 """
 
+import argparse
 import math
 import threading
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.options import TrainOptions
 
 # What --strategy fsdp has no counterpart for, refused by name: (option, its value under DDP's defaults, why).
 DDP_ONLY = (
@@ -50,17 +52,17 @@ NOT_YET = (
 )
 
 
-def fsdp_in_range(parser, args):
+def fsdp_in_range(parser: argparse.ArgumentParser, options: TrainOptions) -> TrainOptions:
     """train.py's options that --strategy fsdp cannot take, refused at parse time with one line each."""
-    if args.strategy != "fsdp":
-        return args
+    if options.strategy != "fsdp":
+        return options
     for name, default, why in DDP_ONLY:
-        if getattr(args, name) != default:
+        if getattr(options, name) != default:
             parser.error(f"argument --strategy fsdp: {why}; drop it, or run --strategy ddp")
     for name, default, option in NOT_YET:
-        if getattr(args, name) != default:
+        if getattr(options, name) != default:
             parser.error(f"argument --strategy fsdp: {option} runs under --strategy ddp only (docs/fsdp.md); drop it")
-    return args
+    return options
 
 
 def units(model):

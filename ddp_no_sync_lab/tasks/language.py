@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddp_no_sync_lab import files
 from ddp_no_sync_lab.experiment import IGNORE_INDEX
+from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.tasks.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
 
 WIDTH, HEADS, LAYERS = 128, 4, 2
@@ -78,10 +79,10 @@ class TokenCrossEntropy(nn.Module):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def text_config(args):
+def text_config(options: TrainOptions) -> dict:
     """What the text task adds to the run's configuration (train.py; both modes must share it)."""
     model = f"ByteTransformer: {LAYERS} blocks of width {WIDTH}, {HEADS} heads, rows of {ROW_LENGTH} bytes"
-    return {"task": "text", "loss_normalization": args.loss_normalization, "model": model, "augmentation": "none"}
+    return {"task": "text", "loss_normalization": options.loss_normalization, "model": model, "augmentation": "none"}
 
 
 @torch.no_grad()
@@ -128,13 +129,13 @@ def continue_text(model, prompt=PROMPT, length=CONTINUATION_BYTES):
     return bytes(tokens[len(prompt.encode()) :]).decode(errors="replace")
 
 
-def write_results(folder, args, config, test_metrics, split, model, run_id, started_at):
+def write_results(folder, options, config, test_metrics, split, model, run_id, started_at):
     """Rank 0: the text report and checkpoint into the run's partial folder; returns them as records.write_results
     does (the report, and the run record whose publish makes them the run)."""
     loss, accuracy, tokens = test_metrics
     baseline_loss = unigram_loss(split.parts["train"].targets, split.parts["test"].targets)
     report = {
-        "mode": args.mode,
+        "mode": options.mode,
         "task": "text",
         "model_test_loss": loss,
         "model_test_perplexity": math.exp(loss),
@@ -150,14 +151,14 @@ def write_results(folder, args, config, test_metrics, split, model, run_id, star
     checkpoint = {
         "model": model.state_dict(),
         "task": "text",
-        "seed": args.seed,
+        "seed": options.seed,
         "run_id": run_id,
-        "mode": args.mode,
+        "mode": options.mode,
         "precision": config["precision"],
     }
     folder.write(files.MODEL_FILE, files.torch_bytes(checkpoint))
     folder.write(files.REPORT_FILE, files.json_bytes(report))
-    return report, files.run_record(args, config, run_id, started_at, data_dir=CORPUS)
+    return report, files.run_record(options, config, run_id, started_at, data_dir=CORPUS)
 
 
 # ----------------------------------------------------------------------------- verify.py's checks of a text run

@@ -199,16 +199,16 @@ def window_tokens(row_tokens, plan, seed, epoch, world_size, batch_size):
     return counts
 
 
-def loss_plan(plan, split, args, place, epoch):
+def loss_plan(plan, split, options, place, epoch):
     """The epoch's window plan with the text task's loss divisors. Under `tokens` a micro-batch's mean token loss
     is divided by T / (W n): T its window's target tokens over every rank, W the world size, n its own tokens;
     the window's gradient, which DDP averages over the ranks, is then the mean over every token of the window.
     Under `micro-batch` the plan's own divisor stays (the window's length: tokens weigh unequally)."""
-    if args.loss_normalization != "tokens":
+    if options.loss_normalization != "tokens":
         return plan
-    row_tokens, batch = split.parts["train"].tokens, args.batch_size
-    totals = window_tokens(row_tokens, plan, args.seed, epoch, place.world_size, batch)
-    own = rank_micro_batch_tokens(row_tokens, args.seed, epoch, place.rank, place.world_size, batch)
+    row_tokens, batch = split.parts["train"].tokens, options.batch_size
+    totals = window_tokens(row_tokens, plan, options.seed, epoch, place.world_size, batch)
+    own = rank_micro_batch_tokens(row_tokens, options.seed, epoch, place.rank, place.world_size, batch)
     return [
         replace(micro_step, loss_divisor=total / (place.world_size * tokens))
         for micro_step, total, tokens in zip(plan, totals, own, strict=True)
