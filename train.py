@@ -274,7 +274,7 @@ def to_device(inputs, device):
 @dataclass
 class Training:
     """What a run trains with: its window plan, the model and its DDP (or FSDP) wrapper with the communication
-    audit, the loss, the optimizer and its schedule, and the precision's autocast."""
+    audit, the loss, the optimizer and its schedule, the precision's autocast, and the profiler if asked."""
 
     plan: list
     model: nn.Module
@@ -284,6 +284,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     autocast: partial
+    profiler: WindowProfiler | None  # over --profile-windows K windows of epoch 1
 
 
 def make_training(options, place, setup, config):
@@ -309,44 +310,48 @@ def make_training(options, place, setup, config):
     config.update(language.text_config(options) if text else {})
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.epochs)
     autocast = partial(setup.precision.autocast, setup.device.type)
-    return Training(plan, model, ddp_model, comm_audit, criterion, optimizer, scheduler, autocast)
-
-
-def run(options, place):
-    setup = launch.start_up(options, place)
-    config = records.run_config(options, place, setup)
-    training = make_training(options, place, setup, config)
-    ddp_model, comm_audit = training.ddp_model, training.comm_audit
     profiler = None
     if options.profile_windows:
-        profiler = WindowProfiler(
-            options.profile_windows, options.accum_steps, len(training.plan), setup.device, comm_audit
-        )
-    is_writer = place.rank == 0
-    progress = Progress(enabled=is_writer and not options.quiet, interval=options.progress_every)
-    evaluate_on = partial(
+        profiler = WindowProfiler(options.profile_windows, options.accum_steps, len(plan), setup.device, comm_audit)
+    return Training(plan, model, ddp_model, comm_audit, criterion, optimizer, scheduler, autocast, profiler)
+
+
+def evaluation(options, setup, training, progress):
+    """The task's evaluation of held-out data through the wrapper, given the loader and its progress label."""
+    return partial(
         language.evaluate if options.task == "text" else evaluate,
-        ddp_model,
+        training.ddp_model,
         criterion=training.criterion,
         device=setup.device,
         autocast=training.autocast,
         progress=progress,
         group=setup.group,
     )
-    session = resume.Session(options, place, config, setup.device)  # a saved state to resume from, or none
-    if session.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
+
+
+def run(options, place):
+    setup = launch.start_up(options, place)
+    config = records.run_config(options, place, setup)
+    training = make_training(options, place, setup, config)
+    is_writer = place.rank == 0
+    progress = Progress(enabled=is_writer and not options.quiet, interval=options.progress_every)
+    evaluate_on = evaluation(options, setup, training, progress)
+    stop = resume.StopRequest()  # SIGTERM from here on: a stop at a window's end, its state saved
+    resumption = resume.find_resumption(options, place, config)  # a saved state to resume from, or none
+    if resumption.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
         return
-    run_id, started_at = session.run_id or files.new_run_id(), files.utc_now()
+    run_id, started_at = resumption.run_id or files.new_run_id(), files.utc_now()
     folder = files.RunFolder(options.output, run_id)
     if is_writer:
-        folder.begin(resuming=session.state is not None)
+        folder.begin(resuming=resumption.state is not None)
     history = []
-    trained = (ddp_model, training.optimizer, training.scheduler)
-    session.attach(folder, trained, comm_audit, setup.loaders.train, history)
-    epoch = session.restore() if session.state else resume.EpochState(1)
+    session = resume.Session(
+        resumption, place, setup, training, stop, folder, history, options.checkpoint_every_windows
+    )
+    epoch = session.restore() if resumption.state else resume.EpochState(1)
 
     while epoch.number <= options.epochs:
-        profiled = profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
+        profiled = training.profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
         row = train_and_validate(
             options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id
         )
@@ -361,11 +366,11 @@ def run(options, place):
 
     progress.prefix = ""
     test = evaluate_on(setup.loaders.test, label="test")
-    weights = ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
+    weights = training.ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
     if is_writer:
         report, run_record = write_results(options, setup, config, training, folder, test, weights, run_id, started_at)
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
-        folder.publish({**run_record, "launch_id": place.job, "segments": session.segments})
+        folder.publish({**run_record, "launch_id": place.job, "segments": resumption.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
     instruments.settle_comm_hooks()
 

@@ -40,7 +40,7 @@ from ddp_no_sync_lab import files
 from ddp_no_sync_lab.audit.instruments import STOP_REQUESTED, EpochTrace
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.options import TrainOptions
-from ddp_no_sync_lab.run.launch import Place, agree
+from ddp_no_sync_lab.run.launch import Place, Setup, agree
 
 STATE_FILE = "resume_state-{number:06d}.pt"  # save number N
 STATE_RECORD = "resume_state-{number:06d}.json"  # written after its state: its size, SHA-256 and position
@@ -166,90 +166,145 @@ def portable(epoch):
     return saved
 
 
-class Session:
-    """One run's saves: whether it resumes and from what, each save, and SIGTERM turned into a stop."""
+class StopRequest:
+    """SIGTERM turned into a request to stop at a window's end (Session reads it); a second SIGTERM, a while
+    after the first, exits at once."""
 
-    def __init__(self, options: TrainOptions, place: Place, config: dict, device: torch.device):
-        self.place, self.device = place, device
-        self.identity = {**config, "mode": options.mode}  # what a resumed run must share with the saved one
-        self.every_windows = options.checkpoint_every_windows
-        self.stop_requested = False
+    def __init__(self):
+        self.requested = False
         self.first_sigterm = None
         signal.signal(signal.SIGTERM, self.on_sigterm)
-        # A restart if any rank says so: the agents' counts need not agree (one restarted by another node's
-        # failure does not count it), and a rank's start number counts every start in this job.
-        restarted = torch.tensor([int(os.environ.get(RESTART_VARIABLE, "0")) > 0 or place.start > 1])
-        dist.all_reduce(restarted, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
-
-        def saved_state():  # rank 0's to find and check; a refusal stops every rank together (launch.agree)
-            if place.rank != 0:
-                return None
-            published = files.publish_interrupted(options.output)  # a complete run is never lost or retrained
-            if published:
-                print(
-                    f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
-                    f"{options.output}",
-                    file=sys.stderr,
-                )
-            if not (options.resume or restarted.item()):
-                return None
-            folder = unfinished_with_state(options.output)
-            if folder is None:
-                job = None if published or options.resume else place.job  # a restart: only this job's own run
-                return finished_run(options.output, self.identity, job)
-            state, self.save_number = read_state(folder)
-            differ = differences(state["config"], self.identity)
-            if differ:
-                raise LabError(
-                    f"--resume: the unfinished run in {folder} was started with another configuration "
-                    f"({'; '.join(differ)}): start it again with the same options, code and data, or start "
-                    f"anew without --resume"
-                )
-            return state
-
-        self.save_number = 0  # the save resumed from (saved_state): the next save is the next number
-        holder = [agree(place, saved_state)]
-        dist.broadcast_object_list(holder, src=0)  # every rank resumes, or none does
-        found = holder[0]
-        self.finished_run_id = found if isinstance(found, str) else None
-        self.state = found if isinstance(found, dict) else None
-        where = self.state["epochs"][place.rank] if self.state else EpochState(1)
-        # The hardware of each segment of the run: bit-identity across a change of hardware is not promised.
-        segment = {"hardware": config["hardware"], "epoch": where.number, "micro_batch": where.micro_batch}
-        self.segments = (self.state["segments"] if self.state else []) + [segment]
-        if self.finished_run_id and place.local_rank == 0:
-            print(f"train.py: run {self.finished_run_id} is finished; nothing left to do", file=sys.stderr)
-        if self.state and place.local_rank == 0:
-            print(
-                f"train.py: resuming run {self.state['run_id']} at epoch {where.number}, micro-batch "
-                f"{where.micro_batch}, from its saved state",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def on_sigterm(self, signum, frame):
         now = time.monotonic()
         if self.first_sigterm is None:
             self.first_sigterm = now
-            self.stop_requested = True
+            self.requested = True
         elif now - self.first_sigterm > REPEATED_SIGTERM_SECONDS:  # a second request: at once
             os._exit(128 + signum)
+
+
+@dataclass
+class Resumption:
+    """What every rank agreed to go on from (find_resumption): a saved state, a run already finished, or neither."""
+
+    identity: dict  # what a resumed run must share with the saved one: the run's configuration and its mode
+    state: dict | None  # the saved state to resume from
+    finished_run_id: str | None  # this job's run, published before a restart: nothing left to do
+    save_number: int  # the save resumed from: the next save is the next number
+    segments: list  # the hardware of each segment of the run, this one's last
 
     @property
     def run_id(self):
         return self.state["run_id"] if self.state else None
 
-    def attach(self, folder, models, comm_audit, train_loader, history):
-        """What a save reads: the run folder (rank 0), (DDP model, optimizer, scheduler), the audit, the training
-        loader, and the history list the run appends to."""
-        self.folder, self.models, self.comm_audit = folder, models, comm_audit
-        self.train_loader, self.history = train_loader, history
+
+def restarted(place):
+    """A restart if any rank says so: the agents' counts need not agree (one restarted by another node's failure
+    does not count it), and a rank's start number counts every start in this job."""
+    flag = torch.tensor([int(os.environ.get(RESTART_VARIABLE, "0")) > 0 or place.start > 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group (gloo): a CPU tensor
+    return bool(flag.item())
+
+
+def saved_state(options, place, identity, is_restart):
+    """Rank 0's to find and check: (a saved state, its number), this job's finished run id, or nothing; a refusal
+    stops every rank together (launch.agree)."""
+    if place.rank != 0:
+        return None
+    published = files.publish_interrupted(options.output)  # a complete run is never lost or retrained
+    if published:
+        print(
+            f"train.py: run {published['run_id']} was complete but not yet in place; published it into "
+            f"{options.output}",
+            file=sys.stderr,
+        )
+    if not (options.resume or is_restart):
+        return None
+    folder = unfinished_with_state(options.output)
+    if folder is None:
+        job = None if published or options.resume else place.job  # a restart: only this job's own run
+        return finished_run(options.output, identity, job)
+    state, number = read_state(folder)
+    differ = differences(state["config"], identity)
+    if differ:
+        raise LabError(
+            f"--resume: the unfinished run in {folder} was started with another configuration "
+            f"({'; '.join(differ)}): start it again with the same options, code and data, or start "
+            f"anew without --resume"
+        )
+    return state, number
+
+
+def find_resumption(options: TrainOptions, place: Place, config: dict) -> Resumption:
+    """Whether this run resumes and from what, the same on every rank (rank 0 reads, every rank receives)."""
+    identity = {**config, "mode": options.mode}
+    is_restart = restarted(place)
+    holder = [agree(place, lambda: saved_state(options, place, identity, is_restart))]
+    dist.broadcast_object_list(holder, src=0)  # every rank resumes, or none does
+    found = holder[0]
+    state, save_number = found if isinstance(found, tuple) else (None, 0)
+    where = state["epochs"][place.rank] if state else EpochState(1)
+    # The hardware of each segment of the run: bit-identity across a change of hardware is not promised.
+    segment = {"hardware": config["hardware"], "epoch": where.number, "micro_batch": where.micro_batch}
+    resumption = Resumption(
+        identity=identity,
+        state=state,
+        finished_run_id=found if isinstance(found, str) else None,
+        save_number=save_number,
+        segments=(state["segments"] if state else []) + [segment],
+    )
+    if resumption.finished_run_id and place.local_rank == 0:
+        print(f"train.py: run {resumption.finished_run_id} is finished; nothing left to do", file=sys.stderr)
+    if state and place.local_rank == 0:
+        print(
+            f"train.py: resuming run {state['run_id']} at epoch {where.number}, micro-batch "
+            f"{where.micro_batch}, from its saved state",
+            file=sys.stderr,
+            flush=True,
+        )
+    return resumption
+
+
+@dataclass
+class Session:
+    """One run's saves, made once everything a save reads exists: the state restored, saved at windows' and
+    epochs' ends, and the run stopped there when a rank was asked to (StopRequest)."""
+
+    resumption: Resumption
+    place: Place
+    setup: Setup  # the device and the training loader (its generator's state is saved)
+    training: object  # train.py's Training: the DDP model, optimizer, scheduler and the audit's running totals
+    stop: StopRequest
+    folder: files.RunFolder  # rank 0 writes the saves into its partial folder
+    history: list  # the rows the run appends to
+    every_windows: int | None  # --checkpoint-every-windows
+
+    @property
+    def stop_requested(self):
+        return self.stop.requested
+
+    @property
+    def device(self):
+        return self.setup.device
+
+    @property
+    def models(self):
+        return self.training.ddp_model, self.training.optimizer, self.training.scheduler
+
+    @property
+    def comm_audit(self):
+        return self.training.comm_audit
+
+    @property
+    def train_loader(self):
+        return self.setup.loaders.train
 
     def restore(self):
         """Put back everything the saved state holds, on this rank: after the DDP wrapper is made (its wrap-time
         broadcast would overwrite the other ranks' BatchNorm buffers), before any training. Fills the history so
         far and returns the epoch to go on with."""
-        state, rank = self.state, self.place.rank
+        state, rank = self.resumption.state, self.place.rank
         ddp_model, optimizer, scheduler = self.models
         ddp_model.module.load_state_dict(state["model"])
         with torch.no_grad():
@@ -323,8 +378,8 @@ class Session:
         ddp_model, optimizer, scheduler = self.models
         state = {
             "run_id": self.folder.run_id,
-            "config": self.identity,
-            "segments": self.segments,
+            "config": self.resumption.identity,
+            "segments": self.resumption.segments,
             "history": self.history,
             "model": to_cpu(ddp_model.module.state_dict()),
             "optimizer": to_cpu(optimizer.state_dict()),
@@ -333,8 +388,9 @@ class Session:
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        self.save_number += 1
-        state_name, record_name = (name.format(number=self.save_number) for name in (STATE_FILE, STATE_RECORD))
+        self.resumption.save_number += 1
+        number = self.resumption.save_number
+        state_name, record_name = (name.format(number=number) for name in (STATE_FILE, STATE_RECORD))
         self.folder.write(state_name, buffer.getvalue())
         entry = {"bytes": buffer.tell(), "sha256": files.sha256_file(self.folder.partial / state_name)}
         where = {"epoch": epoch.number, "micro_batch": epoch.micro_batch, "saved_at": files.utc_now()}
