@@ -51,6 +51,7 @@ from ddp_no_sync_lab.precision import PRECISIONS
 from ddp_no_sync_lab.run import launch, records, resume
 from ddp_no_sync_lab.strategies import ddp
 from ddp_no_sync_lab.strategies.fsdp import fsdp_in_range, wrap_sharded
+from ddp_no_sync_lab.strategies.surface import Wrapper
 from ddp_no_sync_lab.tasks import data, language, loaders, packed
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
@@ -278,7 +279,7 @@ class Training:
 
     plan: list
     model: nn.Module
-    ddp_model: nn.Module
+    ddp_model: Wrapper  # DDP's AuditedDDP or FSDP2's ShardedModel
     comm_audit: instruments.CommAudit
     criterion: nn.Module
     optimizer: torch.optim.Optimizer

@@ -52,6 +52,7 @@ from benchmarks.link_model import (
 from ddp_no_sync_lab import cli, experiment, files
 from ddp_no_sync_lab.precision import PRECISIONS
 from ddp_no_sync_lab.report import pictures
+from ddp_no_sync_lab.strategies import fsdp
 from ddp_no_sync_lab.tasks import data
 from model import CLASSES, CifarCNN
 from tools import loopback, netns, synthetic_data
@@ -321,8 +322,8 @@ def inside(args):
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
     # FSDP's all-gathers per micro-batch, from its units (ddp_no_sync_lab/strategies/fsdp.py); DDP gathers nothing.
     world = experiment.DOCUMENTED["world_size"]
-    fsdp = args.strategy == "fsdp"
-    gathered = fsdp.gathered_bytes(fsdp.unit_numels(CifarCNN(), world), world) if fsdp else 0
+    sharded = args.strategy == "fsdp"
+    gathered = fsdp.gathered_bytes(fsdp.unit_numels(CifarCNN(), world), world) if sharded else 0
     terms, table = analyse(rows, gathered)
     fit = link_fit(table)
     print(

@@ -64,12 +64,21 @@ def test_every_lab_module_and_folder_is_listed_once():
 
 
 def test_each_lab_module_imports_only_the_modules_listed_above_it_and_model():
-    """No import back up a layer, none round a circle; a folder's __init__.py imports nothing (it is its list)."""
+    """No import back up a layer, none round a circle; a folder's __init__.py imports nothing (it is its list);
+    every import absolute, so that this test reads each one."""
     order = layer_order()
     for position, name in enumerate(order):
+        relative = [
+            node.lineno for node in ast.walk(ast.parse(module_path(name).read_text())) if getattr(node, "level", 0)
+        ]
+        assert relative == [], (
+            f"{module_path(name).relative_to(REPO)} imports relatively at lines {relative}: import absolutely"
+        )
         imports = imported_lab_modules(module_path(name))
         allowed = set(order[:position]) | {"model.py"}
-        assert imports <= allowed, f"{PACKAGE}/{name}.py imports {sorted(imports - allowed)}, which are not above it"
+        assert imports <= allowed, (
+            f"{module_path(name).relative_to(REPO)} imports {sorted(imports - allowed)}, which are not above it"
+        )
     for init in LAB.rglob("__init__.py"):
         assert [node for node in ast.parse(init.read_text()).body if not isinstance(node, ast.Expr)] == [], init
 
@@ -84,13 +93,15 @@ def test_no_script_is_imported_by_another_script_except_model():
 
 
 def test_no_module_beneath_the_scripts_reads_the_argparse_namespace():
-    """train.py hands its options down as one frozen TrainOptions; nothing beneath parses, takes or reads an
-    argparse namespace (no parameter or variable named args, no parse_args, no Namespace)."""
+    """train.py hands its options down as one frozen TrainOptions; nothing beneath parses one (parse_args,
+    parse_known_args), names argparse's Namespace, or has a parameter or variable named args."""
     for name in layer_order():
         for node in ast.walk(ast.parse(module_path(name).read_text())):
             if isinstance(node, ast.arguments):
                 assert "args" not in [argument.arg for argument in node.posonlyargs + node.args + node.kwonlyargs], name
-            assert not (isinstance(node, ast.Attribute) and node.attr in ("parse_args", "Namespace")), name
+            assert not (
+                isinstance(node, ast.Attribute) and node.attr in ("parse_args", "parse_known_args", "Namespace")
+            ), name
             assert not (isinstance(node, ast.Name) and node.id == "args" and isinstance(node.ctx, ast.Store)), name
 
 

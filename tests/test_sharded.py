@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+import train
 from conftest import (
     PROFILED,
     SMALL_RUN,
@@ -24,13 +26,24 @@ from conftest import (
     verify,
 )
 from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.strategies import fsdp
+from ddp_no_sync_lab.strategies.surface import Wrapper
 from model import CifarCNN
 from test_nodes import node_folders, same_run, two_nodes
 
 FSDP = ["--strategy", "fsdp"]
 # FSDP2 broken beneath the lab (tests/inject): its ReduceOp.AVG left to gloo, and set_requires_gradient_sync ignored.
 BROKEN_BENEATH = (("uncorrected", "every"), ("sync_ignored", "no_sync"))
+
+
+def test_both_wrappers_offer_the_surface_train_py_asks_of_a_strategy(one_process_group):
+    """DDP's AuditedDDP (as train.py wraps) and FSDP2's ShardedModel each have every member strategies/surface.py
+    declares; plain DDP, with no counts and no full state dict, has not."""
+    audited, _ = train.wrap_model(CifarCNN(), torch.device("cpu"), 1)
+    sharded = fsdp.ShardedModel(CifarCNN(), instruments.CommAudit(1), None)
+    assert isinstance(audited, Wrapper) and isinstance(sharded, Wrapper)
+    assert not isinstance(DistributedDataParallel(CifarCNN()), Wrapper)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,10 @@ class ChecklistTrace:
 
 
 BACKWARD, STEP, EPOCH_END = 0, 1, 2  # where the gradients' state was read
+# A window's sums, one float64 slot each, all-reduced at its step (Witness.reduce_window): the ranks' local
+# gradients projected and their 2-norms, samples, forwards, syncs, the synced gradient projected (a rank's shard
+# of it, FSDP's, weighs world_size: the sum over ranks / world_size is the whole's F); the text task: its tokens.
+LOCAL_F, LOCAL_NORM, SAMPLES, FORWARDS, SYNCS, SYNCED_F, TOKENS = range(7)
 
 
 def projection_weights(parameters, device):
@@ -79,18 +83,16 @@ def projection_weights(parameters, device):
     return torch.randn(count, generator=generator, dtype=torch.float64).to(device)
 
 
-class Witness:
-    """The checklist's witnesses on one rank, attached to the run's model, criterion, optimizer and audit."""
+class Projection:
+    """The gradients' linear float64 projection [F, Q] (F = w . g, Q = g . g, zero exactly when all are) over the
+    parameters laid end to end: of the gradients held now, and of one backward's own, copied as they arrive."""
 
-    def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
-        self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
-        self.parameters = [p for p in self.module.parameters() if p.requires_grad]
-        # FSDP's (strategies/fsdp.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
-        self.unsharded = getattr(ddp_model, "unsharded_parameters", None)
-        self.whole = {}
-        self.weights = projection_weights(self.parameters, device)
+    def __init__(self, parameters, device, world_size):
+        self.parameters, self.device, self.world_size = parameters, device, world_size
+        self.whole = {}  # FSDP's: each parameter's unsharded one, once FSDP made them
+        self.weights = projection_weights(parameters, device)
         self.slices, start = [], 0
-        for parameter in self.parameters:
+        for parameter in parameters:
             self.slices.append(slice(start, start + parameter.numel()))
             start += parameter.numel()
         self.elements = start
@@ -101,24 +103,108 @@ class Witness:
         # Each parameter's slice of both, laid out as the parameter is (channels_last or not; a shard's whole
         # parameter contiguous): its gradient is copied element for element by logical index.
         strides = [
-            torch.empty(p.shape, device="meta").stride() if p is not local(p) else p.stride() for p in self.parameters
+            torch.empty(p.shape, device="meta").stride() if p is not local(p) else p.stride() for p in parameters
         ]
         self.flat_views, self.own_views = (
-            [buffer[part].as_strided(p.shape, stride) for part, p, stride in zip(self.slices, self.parameters, strides)]
+            [buffer[part].as_strided(p.shape, stride) for part, p, stride in zip(self.slices, parameters, strides)]
             for buffer in (self.flat, self.own)
         )
         # A float64 dot product of n terms errs by at most n u |w| |g| (Cauchy-Schwarz): per unit of |g|.
         self.dot_slack = start * UNIT_ROUNDOFF[torch.float64] * self.weights.norm().item()
+
+    def project(self, flat):
+        return torch.stack([torch.dot(flat, self.weights), torch.dot(flat, flat)])
+
+    def copy_own(self, index, gradient):
+        self.own_views[index].copy_(gradient)
+        self.own_arrived.add(index)
+
+    def begin_own(self):
+        self.own_arrived = set()
+
+    def own_projection(self):
+        """[F, Q] of the backward's own gradients (a parameter that got none: zero)."""
+        for missing in set(range(len(self.slices))) - self.own_arrived:
+            self.own[self.slices[missing]].zero_()
+        return self.project(self.own)
+
+    def held(self):
+        """[F, Q] of the gradients held now (a missing one is zero), whether none is held at all, and whether they
+        are this rank's shards of the synced gradient (FSDP's, placed where they lie in the whole; F is then this
+        rank's part of the sum) rather than whole gradients (DDP's, and FSDP's unsharded local ones)."""
+        held, shards = [], []
+        for index, p in enumerate(self.parameters):
+            whole = self.whole.get(id(p))
+            if whole is not None and whole.grad is not None:
+                held.append((index, whole.grad))
+            elif p.grad is not None:
+                (shards if p.grad is not local(p.grad) else held).append((index, p.grad))
+        if not held and not shards:
+            return torch.zeros(2, dtype=torch.float64, device=self.device), True, False
+        if len(held) < len(self.slices):
+            self.flat.zero_()
+        for index, gradient in held:
+            self.flat_views[index].copy_(gradient)
+        if not shards:
+            return self.project(self.flat), False, False
+        whole = self.project(self.flat) if held else torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.flat.zero_()
+        for index, gradient in shards:  # FSDP's rank r holds rows [r ceil(d / W), ...) of the first dimension
+            shard, rows, mesh = gradient.to_local(), gradient.shape[0], gradient.device_mesh
+            row = math.prod(gradient.shape[1:])
+            start = self.slices[index].start + mesh.get_local_rank() * math.ceil(rows / mesh.size()) * row
+            self.flat[start : start + shard.numel()].copy_(shard.reshape(-1))
+        # A shard's F is this rank's part of the whole's: weighed world_size (the sum over ranks / W is the whole's).
+        parts = self.project(self.flat)
+        return torch.stack([whole[0] + parts[0] * self.world_size, whole[1] + parts[1]]), False, True
+
+
+class LossReading:
+    """The loss as the loop used it: the criterion's value, the mean cross-entropy's computed alike, and the
+    gradient that reached the value (1 / the divisor the loop applied)."""
+
+    def __init__(self, counts_tokens):
+        self.counts_tokens = counts_tokens
+        self.value = self.reference = self.gradient = None
+
+    def read(self, logits, targets, output):
+        self.value, self.gradient = output.detach().clone(), None
+        if output.requires_grad and output.dim() == 0:
+            with torch.no_grad():  # the mean cross-entropy's value as the criterion's would be, in its context
+                flat = (logits.flatten(0, -2), targets.flatten()) if self.counts_tokens else (logits, targets)
+                self.reference = CROSS_ENTROPY(*flat, ignore_index=IGNORE_INDEX)
+            output.register_hook(partial(setattr, self, "gradient"))
+
+    def divisor(self, world_size, tokens):
+        """The divisor the loop applied to this backward's loss, exactly (the gradient reaching the criterion's value
+        is its inverse), times any other count the criterion divided by (its value against the mean's, computed
+        alike); the text task's in the window's `tokens`. None where no gradient reached the criterion's value."""
+        if self.gradient is None:
+            return None
+        read = self.reference.double() / (self.value.double() * self.gradient.double())
+        self.gradient = None
+        if self.counts_tokens:
+            read = read * world_size * tokens
+        return read
+
+
+class Witness:
+    """The checklist's witnesses on one rank, attached to the run's model, criterion, optimizer and audit: the
+    events (forwards, losses, backwards, steps), what the gradients must hold between them, and each window's
+    average, from the gradients' projection and the loss's reading."""
+
+    def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
+        self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
+        self.parameters = [p for p in self.module.parameters() if p.requires_grad]
+        # FSDP's (strategies/fsdp.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
+        self.unsharded = getattr(ddp_model, "unsharded_parameters", None)
+        self.projection = Projection(self.parameters, device, comm_audit.world_size)
+        self.counts_tokens = getattr(criterion, "counts_tokens", False)
+        self.loss = LossReading(self.counts_tokens)
         self.trace, self.awaiting_loss = None, False
-        # The criterion's value, the mean cross-entropy's computed alike, and the gradient that reached the value.
-        self.loss_value = self.loss_reference = self.loss_gradient = None
         self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
-        # The window's syncs, summed: [F local, |local|_2, samples, forwards, syncs] (the text task: and tokens).
-        self.counts_tokens = getattr(criterion, "counts_tokens", False)
-        # [F local, |local|_2, samples, forwards, syncs, F synced] (the text task: and tokens); a rank's shard of
-        # a synced gradient (FSDP's) weighs world_size: the sum over ranks / world_size is the whole's F.
-        self.window = torch.zeros(7 if self.counts_tokens else 6, dtype=torch.float64, device=device)
+        self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
         criterion.register_forward_hook(self.on_loss)
@@ -175,13 +261,13 @@ class Witness:
             return
         self.close_backward()
         samples = inputs[0].shape[0]
-        held = held_bytes(self.parameters, self.whole)  # between micro-batches: what the window keeps
+        held = held_bytes(self.parameters, self.projection.whole)  # between micro-batches: what the window keeps
         self.epoch_trace.held_bytes = [max(pair) for pair in zip(self.epoch_trace.held_bytes, held)]
         self.trace.micro_batches += 1
         self.trace.samples += samples
         self.awaiting_loss = samples  # the criterion's next call is on this forward's output
-        self.window[2] += samples
-        self.window[3] += 1
+        self.window[SAMPLES] += samples
+        self.window[FORWARDS] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
@@ -190,52 +276,36 @@ class Witness:
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
-            self.loss_value, self.loss_gradient = output.detach().clone(), None
-            if output.requires_grad and output.dim() == 0:
-                with torch.no_grad():  # the mean cross-entropy's value as the criterion's would be, in its context
-                    flat = (logits.flatten(0, -2), targets.flatten()) if self.counts_tokens else (logits, targets)
-                    self.loss_reference = CROSS_ENTROPY(*flat, ignore_index=IGNORE_INDEX)
-                output.register_hook(partial(setattr, self, "loss_gradient"))
+            self.loss.read(logits, targets, output)
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
                 self.trace.micro_batch_tokens.append(tokens)
-                self.window[6] += tokens
+                self.window[TOKENS] += tokens
             logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
 
     def on_logits_gradient(self, logits, targets, gradient):
         """The backward's first event in the model: read the gradients' state, and the loss scale (loss_scale: the
         divisor read at the loss, and the gradient at the logits against the mean cross-entropy's, recomputed)."""
         index = self.trace.micro_batches - 1
-        if self.unsharded is not None and not self.whole:  # FSDP made its unsharded parameters in the first forward
+        if self.unsharded is not None and not self.projection.whole:  # FSDP made them in the first forward
             made = self.unsharded()
-            self.whole = {id(p): made[id(p)] for p in self.parameters}
+            self.projection.whole = {id(p): made[id(p)] for p in self.parameters}
             self.hook([made[id(p)] for p in self.parameters])
         before = self.observe(BACKWARD, index)
         self.trace.backwards += 1
         self.trace.loss_positions.append(index)
-        token_scale = self.comm_audit.world_size if self.counts_tokens else None
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, self.divisor_read()))
-        self.own_arrived = set()
+        world_size = self.comm_audit.world_size
+        token_scale, tokens = (world_size, self.trace.micro_batch_tokens[-1]) if self.counts_tokens else (None, None)
+        read = self.loss.divisor(world_size, tokens)
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, read))
+        self.projection.begin_own()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
-
-    def divisor_read(self):
-        """The divisor the loop applied to this backward's loss, exactly (the gradient reaching the criterion's value
-        is its inverse), times any other count the criterion divided by (its value against the mean's, computed
-        alike); the text task's in the window's tokens. None where no gradient reached the criterion's value."""
-        if self.loss_gradient is None:
-            return None
-        read = self.loss_reference.double() / (self.loss_value.double() * self.loss_gradient.double())
-        self.loss_gradient = None
-        if self.counts_tokens:
-            read = read * self.comm_audit.world_size * self.trace.micro_batch_tokens[-1]
-        return read
 
     def on_parameter_gradient(self, index, gradient):
         """A parameter's gradient from this backward alone, before it is accumulated or synchronized: copied,
         projected with the others in one pass when the backward ends."""
         if self.pending is not None:
-            self.own_views[index].copy_(gradient)
-            self.own_arrived.add(index)
+            self.projection.copy_own(index, gradient)
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
@@ -251,40 +321,6 @@ class Witness:
 
     # -- the gradients' state
 
-    def project(self, flat):
-        """[F, Q] of gradients laid end to end in float64: F = w . g, Q = g . g (zero exactly when all are)."""
-        return torch.stack([torch.dot(flat, self.weights), torch.dot(flat, flat)])
-
-    def projections(self):
-        """[F, Q] of the gradients held now (a missing one is zero), whether none is held at all, and whether they
-        are this rank's shards of the synced gradient (FSDP's, placed where they lie in the whole; F is then this
-        rank's part of the sum) rather than whole gradients (DDP's, and FSDP's unsharded local ones)."""
-        held, shards = [], []
-        for index, p in enumerate(self.parameters):
-            whole = self.whole.get(id(p))
-            if whole is not None and whole.grad is not None:
-                held.append((index, whole.grad))
-            elif p.grad is not None:
-                (shards if p.grad is not local(p.grad) else held).append((index, p.grad))
-        if not held and not shards:
-            return torch.zeros(2, dtype=torch.float64, device=self.device), True, False
-        if len(held) < len(self.slices):
-            self.flat.zero_()
-        for index, gradient in held:
-            self.flat_views[index].copy_(gradient)
-        if not shards:
-            return self.project(self.flat), False, False
-        whole = self.project(self.flat) if held else torch.zeros(2, dtype=torch.float64, device=self.device)
-        self.flat.zero_()
-        for index, gradient in shards:  # FSDP's rank r holds rows [r ceil(d / W), ...) of the first dimension
-            shard, rows, mesh = gradient.to_local(), gradient.shape[0], gradient.device_mesh
-            row = math.prod(gradient.shape[1:])
-            start = self.slices[index].start + mesh.get_local_rank() * math.ceil(rows / mesh.size()) * row
-            self.flat[start : start + shard.numel()].copy_(shard.reshape(-1))
-        # A shard's F is this rank's part of the whole's: weighed world_size (the sum over ranks / W is the whole's).
-        parts = self.project(self.flat)
-        return torch.stack([whole[0] + parts[0] * self.comm_audit.world_size, whole[1] + parts[1]]), False, True
-
     def close_backward(self):
         """The backward under way has ended (the next event came): did it synchronize (the hook saw its last
         bucket), and what must the gradients hold now?"""
@@ -292,42 +328,40 @@ class Witness:
             return
         index, (before, sharded), syncs_before = self.pending
         self.pending = None
-        for missing in set(range(len(self.slices))) - self.own_arrived:
-            self.own[self.slices[missing]].zero_()
-        own = self.project(self.own)
+        own = self.projection.own_projection()
         # The local gradients now: before + this backward's own; their 2-norm at most the norms' sum. A shard of
         # the synced gradient held before weighs world_size (its sum over ranks is the whole).
         weight = self.comm_audit.world_size if sharded else 1  # a shard's F comes weighed; its norm part not yet
         local = torch.stack([before[0] + own[0], before[1].sqrt() * weight + own[1].sqrt()])
         if self.comm_audit.gradient_syncs != syncs_before:
             self.epoch_trace.sync_positions.append(index)
-            self.window[:2] += local
-            self.window[4] += 1
+            self.window[LOCAL_F : LOCAL_NORM + 1] += local
+            self.window[SYNCS] += 1
             self.window_syncs += 1
             self.wire_dtype = self.comm_audit.wire_dtype or torch.float32
             self.expectation = ("synced",)
         else:  # accumulated locally in float32: each element rounded once, |e| <= u |local|, projected
-            bound = local[1] * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.dot_slack)
+            bound = local[1] * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
             self.expectation = ("local", local[0], bound)
 
     def observe(self, point, index):
         """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
         it), or not what the last backward left (altered). Returns [F, Q] now."""
         self.close_backward()
-        now, none_held, sharded = self.projections()
+        now, none_held, sharded = self.projection.held()
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
         off = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.expectation is not None and self.expectation[0] == "local":
             _, expected, bound = self.expectation
             off = ~fresh & ((now[0] - expected).abs() > bound)
         elif self.expectation is not None and self.expectation[0] == "synced":
-            self.window[5] += now[0]
+            self.window[SYNCED_F] += now[0]
         self.trace.state_points.append((point, index))  # on the host: no copy to the device
         self.trace.gradient_states.append(torch.stack([fresh, off]))
         # From here on the gradients must stay as read (only a reset or a backward may change them): the same
         # values projected again give the same sum, within the float64 sum's own rounding.
         weight = self.comm_audit.world_size if sharded else 1
-        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.dot_slack * weight)
+        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.projection.dot_slack * weight)
         return now, sharded
 
     def reduce_window(self):
@@ -345,14 +379,16 @@ class Witness:
         # (docs/audit.md); the float64 dot products' own rounding beside it.
         wire = torch.finfo(self.wire_dtype)
         unit, gap = UNIT_ROUNDOFF[self.wire_dtype], wire.smallest_normal * wire.eps / 2  # half the subnormal gap
-        bound = (SIGMAS * (world_size + 2) * unit + 3 * self.dot_slack) * summed[1] / world_size + SIGMAS * (
+        slack, elements = self.projection.dot_slack, self.projection.elements
+        bound = (SIGMAS * (world_size + 2) * unit + 3 * slack) * summed[LOCAL_NORM] / world_size + SIGMAS * (
             world_size + 1
-        ) * gap * math.sqrt(self.elements) * summed[4]
+        ) * gap * math.sqrt(elements) * summed[SYNCS]
         # A replica's synced gradient is its own to compare (a rank that reset it is named at its item); shards
         # make the whole only together.
-        mean = summed[0] / world_size
-        synced = self.window[5].clone() if self.unsharded is None else summed[5] / world_size
-        self.trace.averages.append(torch.stack([synced, mean, bound, *summed[2:4], *summed[6:]]))
+        mean = summed[LOCAL_F] / world_size
+        synced = self.window[SYNCED_F].clone() if self.unsharded is None else summed[SYNCED_F] / world_size
+        counted = [*summed[SAMPLES : FORWARDS + 1], *summed[TOKENS:]]
+        self.trace.averages.append(torch.stack([synced, mean, bound, *counted]))
         self.window.zero_()
         self.window_syncs = 0
 

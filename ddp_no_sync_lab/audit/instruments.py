@@ -139,7 +139,7 @@ class CommAudit:
     rebuild_broadcast_collectives: int = 0
     used_map_allreduces: int = 0
     witness_allreduces: int = 0  # audit/checklist.py's, one per optimizer step: the synced gradient against the mean
-    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (audit/checklist.py's tap)
+    wire_dtype: torch.dtype = None  # the dtype the hook last handed to the collective (audit/tap.py)
     wrapper_syncs: int = 0  # this wrapper's own (a resumed run's totals include its predecessors')
     all_gathers: int = 0  # FSDP's collectives (strategies/fsdp.py), read from the calls
     all_gather_bytes: int = 0
@@ -159,7 +159,7 @@ class CommAudit:
             self.used_map_allreduces += self.find_unused_parameters
 
     def count_handed(self, handed):
-        """The (dtype, element count) of each tensor a hook call handed to the collective (audit/checklist.py's tap)."""
+        """The (dtype, element count) of each tensor a hook call handed to the collective (audit/tap.py)."""
         self.allreduce_bytes += sum(numel * dtype.itemsize for dtype, numel in handed)
         self.wire_dtype = handed[-1][0] if handed else None
 

@@ -34,8 +34,8 @@ CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may 
 def loss_scale(logits, targets, gradient, token_scale=None, read=None):
     """[divisor fitted, residual, divisor read]. Fitted: the gradient at the logits as the mean cross-entropy's,
     recomputed by torch's kernels on the same float32 logits, over the divisor; the residual relative to it. Read:
-    given (Witness.divisor_read), else NaN. Text: the reference is token_scale x the token loss's sum, and the
-    residual takes the divisor read."""
+    given (checklist.LossReading.divisor), else NaN. Text: the reference is token_scale x the token loss's sum, and
+    the residual takes the divisor read."""
     with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
         leaf = logits.detach().float().requires_grad_()
         if token_scale is None:
