@@ -26,23 +26,16 @@ from pathlib import Path
 
 from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.audit.profiler import check_profile
-from ddp_no_sync_lab.checks import certify, facts, strict_audit
+from ddp_no_sync_lab.checks import certify, facts, strict_audit, task_results
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
 from ddp_no_sync_lab.files import (
-    CONFUSION_FILE,
     HISTORY_FILE,
-    MODEL_FILE,
-    REPORT_FILE,
     RUN_RECORD_FILE,
-    SAMPLE_FILE,
-    AuditError,
     describe_unfinished,
 )
 from ddp_no_sync_lab.report import tables
 from ddp_no_sync_lab.run import resume
 from ddp_no_sync_lab.strategies import fsdp
-from ddp_no_sync_lab.tasks import language
-from model import IMAGE_SIZE, CifarCNN
 
 SCRIPT = "verify.py"
 
@@ -66,26 +59,11 @@ def parse_args():
     return args
 
 
-def audit_run(folder, mode, record, expected_config, sizes, strict):
+def audit_run(folder, mode, record, expected_config, sizes, strict, task):
     history = facts.check_history(folder / HISTORY_FILE, mode, record, expected_config, sizes)
-    if record["config"].get("task") == "text":  # the second task: its report and model, no pictures of images
-        report = language.check_report(folder / REPORT_FILE, mode, record)
-        language.check_model(folder / MODEL_FILE, mode, record)
-        facts.check_checksums(folder, record)
-        return history, report, check_profile(folder, record, history)
-    try:
-        report = facts.check_report(folder / REPORT_FILE, mode, record)
-    except AuditError as error:
-        raise AuditError(f"{error}{certify.item(10)}", error.kind) from None
-    if strict:  # the documented experiment's model learned
-        strict_audit.check_learned(folder, report)
-    training_forwards = len(experiment.epoch_plan(record["config"])) * record["config"]["epochs"]
-    facts.check_model(folder / MODEL_FILE, mode, record, training_forwards)
-    facts.check_png(folder / SAMPLE_FILE, record, size=(IMAGE_SIZE, IMAGE_SIZE))
-    facts.check_png(folder / CONFUSION_FILE, record)
+    report = task.check_run(folder, mode, record, strict)  # the task's report, checkpoint and pictures
     facts.check_checksums(folder, record)
-    profile = check_profile(folder, record, history)
-    return history, report, profile
+    return history, report, check_profile(folder, record, history)
 
 
 def read_runs(artifacts):
@@ -105,7 +83,7 @@ def read_runs(artifacts):
     return records
 
 
-def expected_configuration(args, records):
+def expected_configuration(args, records, task):
     """What both runs are held to: their own configuration (--expect-from-config), or the strict audit's documented
     experiment, once the runs are shown to be it, on real data."""
     artifacts, config = args.artifacts, records["every"]["config"]
@@ -115,15 +93,7 @@ def expected_configuration(args, records):
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
             strict_audit.check_real_data(artifacts / mode, record)
         strict_audit.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)
-        # The text task's sizes follow from the corpus (held to its packing below); its normalization is held
-        # once the audit has measured what it did (strict_audit.check_token_normalization).
-        expected_config = experiment.DOCUMENTED
-        if config.get("task") == "text":
-            expected_config = {
-                **config,
-                **experiment.TEXT_DOCUMENTED,
-                "loss_normalization": config["loss_normalization"],
-            }
+        expected_config = task.documented(config)
     return expected_config
 
 
@@ -132,27 +102,21 @@ def main():
     artifacts = args.artifacts
     records = read_runs(artifacts)
     facts.compare_configs(records["every"], records["no_sync"], artifacts)
-    config = records["every"]["config"]
-    expected_config = expected_configuration(args, records)
-    text = config.get("task") == "text"
-    if text:  # its packing made again here (refused in the strict audit where this Python or torch cannot)
-        packing = certify.check_text_data(artifacts / "every" / RUN_RECORD_FILE, config, not args.expect_from_config)
+    config, strict = records["every"]["config"], not args.expect_from_config
+    task = task_results.task_results(config, artifacts / "every" / RUN_RECORD_FILE)  # the task the runs recorded
+    expected_config = expected_configuration(args, records, task)
+    task.prepare(artifacts, config, strict)
     platform = ", ".join(f"{key} {config.get(key)}" for key in strict_audit.PLATFORM_CHOICES)
     print(f"platform (printed, not compared): {platform}")
-    sizes = experiment.comm_sizes(language.ByteTransformer() if text else CifarCNN())
+    sizes = experiment.comm_sizes(task.model())
     if config.get("strategy") == "fsdp":  # FSDP's units, each padded to equal shards
-        sizes = replace(sizes, fsdp_unit_numels=fsdp.unit_numels(CifarCNN(), config["world_size"]))
+        sizes = replace(sizes, fsdp_unit_numels=fsdp.unit_numels(task.model(), config["world_size"]))
     runs = {
-        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, not args.expect_from_config)
+        mode: audit_run(artifacts / mode, mode, records[mode], expected_config, sizes, strict, task)
         for mode in experiment.MODES
     }
     facts.check_same_saved_activations(runs, artifacts)
-    for mode, (_, report, _) in runs.items() if text and packing else ():  # the test's tokens and baseline
-        language.check_report_against_packing(artifacts / mode / REPORT_FILE, report, packing)
-    if text and not args.expect_from_config:
-        strict_audit.check_token_normalization(artifacts / "every" / RUN_RECORD_FILE, runs, config)
-        for mode, (_, report, _) in runs.items():
-            language.check_learned(artifacts / mode / REPORT_FILE, report)
+    task.check_pair(artifacts, config, runs, strict)
     for mode, (history, _, _) in runs.items():
         for row in history:
             for index in row["resumed_at"]:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.cli import ArgumentParser, LabError
 from ddp_no_sync_lab.files import claim_output, is_replaceable_output
 from ddp_no_sync_lab.options import TrainOptions
-from ddp_no_sync_lab.precision import choose_precision
+from ddp_no_sync_lab.precision import Precision, choose_precision
 from ddp_no_sync_lab.tasks import data, loaders, packed
 
 SCRIPT = "train.py"
@@ -249,14 +250,14 @@ class Setup:
     """What train.py needs from its start-up, agreed by every rank."""
 
     device: torch.device
-    group: object  # the training collectives' process group (None: the default, gloo)
+    group: dist.ProcessGroup | None  # the training collectives' group (None: the default, gloo)
     backend: str
     code: dict  # code_and_versions(), the same on every node
-    precision: object  # precision.Precision
+    precision: Precision
     hardware: list  # every node's, distinct
-    output_claim: object  # rank 0: the output's lock, held until the process ends; None elsewhere
-    source: data.DataSource
-    split: data.Split
+    output_claim: IO | None  # rank 0: the output's lock, held until the process ends; None elsewhere
+    source: data.DataSource | packed.TextSource
+    split: data.Split  # packed.TextSplit, a Split, for the text task
     loaders: loaders.Loaders
 
 
