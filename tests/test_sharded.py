@@ -3,6 +3,7 @@ trained on the small image data passes verify.py with every collective's count d
 reduction (torch 2.8's gloo sums) and a no_sync that does nothing, both broken beneath the lab's code, are refused;
 options FSDP has no counterpart for are refused in one line. tests/test_equivalence.py proves the updates."""
 
+import inspect
 import shutil
 
 import pytest
@@ -40,10 +41,22 @@ BROKEN_BENEATH = (("uncorrected", "every"), ("sync_ignored", "no_sync"))
 def test_both_wrappers_offer_the_surface_train_py_asks_of_a_strategy(one_process_group):
     """DDP's AuditedDDP (as train.py wraps) and FSDP2's ShardedModel each have every member strategies/surface.py
     declares; plain DDP, with no counts and no full state dict, has not."""
+    methods = (name for name, value in vars(Wrapper).items() if inspect.isfunction(value))
+    members = {*Wrapper.__annotations__, *(name for name in methods if name == "__call__" or not name.startswith("_"))}
+    declared = "module comm_audit broadcast_buffers __call__ no_sync parameters train eval broadcast_rank_0_buffers"
+    assert members == {*declared.split(), "full_state_dict"}
     audited, _ = train.wrap_model(CifarCNN(), torch.device("cpu"), 1)
     sharded = fsdp.ShardedModel(CifarCNN(), instruments.CommAudit(1), None)
-    assert isinstance(audited, Wrapper) and isinstance(sharded, Wrapper)
-    assert not isinstance(DistributedDataParallel(CifarCNN()), Wrapper)
+    plain = DistributedDataParallel(CifarCNN())
+    wrappers = {"audited": audited, "sharded": sharded, "plain": plain}
+    missing = {
+        name: sorted(member for member in members if not hasattr(wrapper, member)) for name, wrapper in wrappers.items()
+    }
+    assert missing == {
+        "audited": [],
+        "sharded": [],
+        "plain": ["broadcast_rank_0_buffers", "comm_audit", "full_state_dict"],
+    }
 
 
 @pytest.fixture(scope="module")

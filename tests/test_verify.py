@@ -30,6 +30,7 @@ from conftest import (
     write_png_with_a_damaged_chunk,
 )
 from ddp_no_sync_lab import experiment, files
+from ddp_no_sync_lab.checks import task_results
 from ddp_no_sync_lab.report import tables
 from model import CLASSES
 
@@ -131,6 +132,7 @@ def test_runs_of_a_task_verify_does_not_know_are_refused_naming_it(runs):
         edit_json(runs / mode / files.RUN_RECORD_FILE, lambda record: record["config"].update(task="video"))
     line = assert_one_line_error(audit(runs), "the runs' task 'video' is none verify.py knows (cifar10, text)", code=1)
     assert line.startswith(f"RuntimeError: {runs}/every/run.json: ")
+    assert sorted(task_results.TASK_RESULTS) == sorted(experiment.TASKS)  # each task train.py runs has its checks
 
 
 def test_a_configuration_of_the_wrong_type(runs):

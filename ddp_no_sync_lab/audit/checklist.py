@@ -73,6 +73,9 @@ BACKWARD, STEP, EPOCH_END = 0, 1, 2  # where the gradients' state was read
 # gradients projected and their 2-norms, samples, forwards, syncs, the synced gradient projected (a rank's shard
 # of it, FSDP's, weighs world_size: the sum over ranks / world_size is the whole's F); the text task: its tokens.
 LOCAL_F, LOCAL_NORM, SAMPLES, FORWARDS, SYNCS, SYNCED_F, TOKENS = range(7)
+# A step's row of trace.averages: the synced gradient's F and the mean of the ranks' local ones, the bound between
+# them, then the window's samples and forwards over every rank (the text task: and tokens).
+SYNCED, MEAN, BOUND, STEP_SAMPLES, STEP_FORWARDS, STEP_TOKENS = range(6)
 
 
 def projection_weights(parameters, device):
@@ -388,7 +391,7 @@ class Witness:
         mean = summed[LOCAL_F] / world_size
         synced = self.window[SYNCED_F].clone() if self.unsharded is None else summed[SYNCED_F] / world_size
         counted = [*summed[SAMPLES : FORWARDS + 1], *summed[TOKENS:]]
-        self.trace.averages.append(torch.stack([synced, mean, bound, *counted]))
+        self.trace.averages.append(torch.stack([synced, mean, bound, *counted]))  # SYNCED .. STEP_TOKENS
         self.window.zero_()
         self.window_syncs = 0
 
@@ -413,9 +416,9 @@ def summarize(trace, state_steps):
         deviation = max(deviation, off_divisor if math.isfinite(off_divisor) else math.inf)
         residual = max(residual, off if math.isfinite(off) else math.inf)
     off_average = [
-        {"optimizer_step": step, "synced": synced, "mean_of_ranks": mean, "bound": bound}
-        for step, (synced, mean, bound, *_) in enumerate(averages, 1)
-        if not abs(synced - mean) <= bound
+        {"optimizer_step": number, "synced": step[SYNCED], "mean_of_ranks": step[MEAN], "bound": step[BOUND]}
+        for number, step in enumerate(averages, 1)
+        if not abs(step[SYNCED] - step[MEAN]) <= step[BOUND]
     ]
 
     def positions(keep):
@@ -427,7 +430,7 @@ def summarize(trace, state_steps):
     tokens = {}  # the text task: per micro-batch on this rank, per step over every rank
     if trace.micro_batch_tokens:
         tokens["micro_batch_tokens"] = runs_of(torch.stack(trace.micro_batch_tokens).tolist())
-        tokens["step_tokens"] = runs_of([int(step[5]) for step in averages])
+        tokens["step_tokens"] = runs_of([int(step[STEP_TOKENS]) for step in averages])
     return {
         **tokens,
         "micro_batches": trace.micro_batches,
@@ -441,8 +444,8 @@ def summarize(trace, state_steps):
         "loss_scale_deviation": deviation if math.isfinite(deviation) else None,
         "loss_scale_residual": residual if math.isfinite(residual) else None,
         "loss_short_of_samples": trace.loss_short,
-        "step_samples": runs_of([int(step[3]) for step in averages]),
-        "step_micro_batches": runs_of([int(step[4]) for step in averages]),
+        "step_samples": runs_of([int(step[STEP_SAMPLES]) for step in averages]),
+        "step_micro_batches": runs_of([int(step[STEP_FORWARDS]) for step in averages]),
         "averages_checked": len(averages),
         "first_average_off": off_average[0] if off_average else None,
         "optimizer_state_steps": state_steps - trace.state_steps_before,

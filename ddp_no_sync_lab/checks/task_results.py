@@ -82,8 +82,9 @@ TASK_RESULTS = {results.name: results for results in (ImageResults, TextResults)
 
 def task_results(config: dict, path: Path):
     """The checks of the task the runs recorded, made for this audit (they keep what a pair's check needs)."""
-    name = config.get("task", ImageResults.name)
-    if name not in TASK_RESULTS:
+    name = config.get("task")
+    name = ImageResults.name if name is None else name  # the document's runs record no task
+    if not isinstance(name, str) or name not in TASK_RESULTS:
         raise AuditError(
             f"{path}: the runs' task {name!r} is none verify.py knows ({', '.join(TASK_RESULTS)}); audit them with "
             f"the lab that made them"

@@ -4,14 +4,13 @@ A new strategy offers the same, and its own expected counts (experiment.expected
 fsdp.expected_epoch_counts for FSDP2); tests/test_sharded.py holds both wrappers to this surface."""
 
 from contextlib import AbstractContextManager
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterator, Protocol
 
 from torch import nn
 
 from ddp_no_sync_lab.audit.instruments import CommAudit
 
 
-@runtime_checkable
 class Wrapper(Protocol):
     module: nn.Module  # the model itself: the witnesses hook its forward, the saves read its state
     comm_audit: CommAudit  # the wrapper's collectives counted and timed
