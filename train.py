@@ -52,7 +52,7 @@ from ddp_no_sync_lab.run import launch, records, resume
 from ddp_no_sync_lab.strategies import ddp
 from ddp_no_sync_lab.strategies.fsdp import fsdp_in_range, wrap_sharded
 from ddp_no_sync_lab.strategies.surface import Wrapper
-from ddp_no_sync_lab.tasks import data, language, loaders, packed
+from ddp_no_sync_lab.tasks import data, image, language, loaders, packed
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT
@@ -423,7 +423,7 @@ def write_results(options, setup, config, training, folder, test, weights, run_i
         return language.write_results(folder, options, config, test, setup.split, training.model, run_id, started_at)
     majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
     sample = setup.source.test_images[0]
-    return records.write_results(
+    return image.write_results(
         folder, options, config, test[2], majority, weights, sample, test[:2], run_id, started_at
     )
 

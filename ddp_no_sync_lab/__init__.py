@@ -8,9 +8,9 @@ nothing of the lab); tests/test_architecture.py checks it, docs/architecture.md 
     experiment    the documented configuration, the window plan, the exact counts a configuration implies
     precision     BF16 autocast or float32, chosen for the hardware
     files         the run folder's files: named, each written all or nothing, published whole, read back
-    tasks/        what a task decides: CIFAR-10 and its loaders; the text task's packed rows and transformer
     audit/        what a run did, observed as it happened: the instruments and the checklist's witnesses
     report/       the pictures, and the tables verify.py prints
+    tasks/        what a task decides: CIFAR-10, its loaders and results; the text task's rows, transformer, results
     strategies/   the wrappers train_epoch drives and what the audit must know of each: DDP, FSDP2
     run/          a run's life: where it runs and the ranks' agreement, its rows and results, resume
     checks/       verify.py's judgement of a run folder: each checklist item, the strict audit, the run's facts

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddp_no_sync_lab import cli, experiment, files
-from ddp_no_sync_lab.run import records
+from ddp_no_sync_lab.tasks import image
 from model import CIFAR10_MEAN, CIFAR10_STD, CLASSES, CifarCNN
 
 # Worked out by hand from the layer shapes (see model.py): the document's 445,834 is wrong.
@@ -161,7 +161,7 @@ def test_top_confusions_are_off_diagonal_by_count_then_class_order():
     matrix[3][5] = 7
     matrix[5][3] = 7
     matrix[1][9] = 9
-    assert records.top_confusions(matrix) == [
+    assert image.top_confusions(matrix) == [
         {"true": "automobile", "predicted": "truck", "count": 9},
         {"true": "cat", "predicted": "dog", "count": 7},
         {"true": "dog", "predicted": "cat", "count": 7},

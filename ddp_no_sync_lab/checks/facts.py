@@ -26,9 +26,10 @@ from ddp_no_sync_lab.files import (
 )
 from ddp_no_sync_lab.precision import NUMERICS
 from ddp_no_sync_lab.run import resume
-from ddp_no_sync_lab.run.records import CLOCKED_SECONDS, top_confusions
+from ddp_no_sync_lab.run.records import CLOCKED_SECONDS
 from ddp_no_sync_lab.strategies import fsdp
 from ddp_no_sync_lab.tasks.data import IMAGE_ERRORS
+from ddp_no_sync_lab.tasks.image import top_confusions
 from model import CLASSES, CheckpointError, load_checkpoint
 
 COUNT_LABELS = {

@@ -1,27 +1,12 @@
-"""A run's records beside its files: the run's configuration, its epoch rows (the document's fields, then the
-audit's), the image task's results (report, checkpoint, sample, confusion matrix); files.py writes them."""
-
-import json
+"""A run's records beside its files: the run's configuration and its epoch rows (the document's fields, then the
+audit's); files.py writes them, each task its results (tasks/image.py, tasks/language.py)."""
 
 import torch
 import torch.distributed as dist
-from PIL import Image
 
 from ddp_no_sync_lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
-from ddp_no_sync_lab.files import (
-    CONFUSION_FILE,
-    MODEL_FILE,
-    REPORT_FILE,
-    SAMPLE_FILE,
-    json_bytes,
-    png_bytes,
-    run_record,
-    torch_bytes,
-)
 from ddp_no_sync_lab.options import TrainOptions
-from ddp_no_sync_lab.report import pictures
 from ddp_no_sync_lab.run.launch import Place, Setup
-from model import CLASSES
 
 # An epoch row's seconds from the collective clock, the ranks' waits too (CollectiveClock.seconds_and_waits).
 CLOCKED_SECONDS = ("comm_seconds", "sync_seconds", "sync_wait_seconds", "all_gather_seconds", "all_gather_wait_seconds")
@@ -103,50 +88,3 @@ def epoch_row(epoch, mode, validation, comm_audit, phase_seconds, peak_bytes, ru
         "held_bytes": dict(zip(("gradients", "parameters"), trace.held_bytes)),  # most between micro-batches
         "run_id": run_id,
     }
-
-
-def write_results(folder, options, config, confusion, majority, weights, test_image, test_metrics, run_id, started_at):
-    """Rank 0: report, checkpoint and pictures into the run's partial folder. Returns the report and the run
-    record whose publish (RunFolder.publish) makes them the run."""
-    matrix = confusion.tolist()
-    test_size = config["test_size"]
-    report = {
-        "mode": options.mode,
-        "baseline_class": CLASSES[majority],
-        "baseline_accuracy": sum(matrix[majority]) / test_size,
-        "model_test_loss": test_metrics[0],
-        "model_test_accuracy": test_metrics[1],
-        "confusion_matrix": matrix,
-        "top_confusions": top_confusions(matrix),
-        "run_id": run_id,
-        "config": config,
-    }
-    checkpoint = {
-        "model": weights,
-        "classes": CLASSES,
-        "seed": options.seed,
-        "run_id": run_id,
-        "mode": options.mode,
-        "precision": config["precision"],
-    }
-    folder.write(MODEL_FILE, torch_bytes(checkpoint))
-    folder.write(REPORT_FILE, json_bytes(report))
-    folder.write(SAMPLE_FILE, png_bytes(Image.fromarray(test_image), {"run_id": run_id}))
-    image, data = pictures.confusion_matrix_image(matrix, CLASSES, f"{options.mode}: test confusion matrix")
-    folder.write(CONFUSION_FILE, png_bytes(image, {"run_id": run_id, "data": json.dumps(data)}))
-    return report, run_record(options, config, run_id, started_at, str(options.data_dir))
-
-
-def top_confusions(matrix, limit=5):
-    """The most frequent off-diagonal (true, predicted, count) pairs: count descending, then class order."""
-    pairs = [
-        (count, true, predicted)
-        for true, row in enumerate(matrix)
-        for predicted, count in enumerate(row)
-        if true != predicted and count > 0
-    ]
-    pairs.sort(key=lambda pair: (-pair[0], pair[1], pair[2]))
-    return [
-        {"true": CLASSES[true], "predicted": CLASSES[predicted], "count": count}
-        for count, true, predicted in pairs[:limit]
-    ]

@@ -1,8 +1,9 @@
-"""What a task decides: its data and split, its loaders, its model's loss and evaluation, its report. The image
-task's model is model.py and its results run/records.py; the text task's are here.
+"""What a task decides: its data and split, its loaders, its model's loss and evaluation, its results. The image
+task's model is model.py (the document's); everything else of both tasks is here.
 
     data        CIFAR-10's two layouts, the decode cache, the seeded split and the samplers
     loaders     the two loaders (tensor, PIL) over the split, and an epoch's batches from any batch on
+    image       the image task's results: report, checkpoint, a test image, the confusion matrix drawn
     packed      the text task's corpus, split by document, packed rows, and the tokens of every window
     language    the text task's byte transformer, its per-token loss, evaluation, continuation and report
 """

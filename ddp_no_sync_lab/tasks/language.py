@@ -130,7 +130,7 @@ def continue_text(model, prompt=PROMPT, length=CONTINUATION_BYTES):
 
 
 def write_results(folder, options, config, test_metrics, split, model, run_id, started_at):
-    """Rank 0: the text report and checkpoint into the run's partial folder; returns them as records.write_results
+    """Rank 0: the text report and checkpoint into the run's partial folder; returns them as image.write_results
     does (the report, and the run record whose publish makes them the run)."""
     loss, accuracy, tokens = test_metrics
     baseline_loss = unigram_loss(split.parts["train"].targets, split.parts["test"].targets)
