@@ -294,14 +294,14 @@ def main():
         data = dataset(12, world_size, dtype, FLOAT_IMAGE_SIZE)
         plan = experiment.window_plan(12, ACCUM, "error")
         reference = reference_run(initial_state, data, world_size, dtype, "one_sum", nullcontext)
-        fsdp = {
+        fsdp_records = {
             mode: fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
             for mode in experiment.MODES
         }
-        results[name]["fsdp"] = {mode: compare(record, reference) for mode, record in fsdp.items()}
+        results[name]["fsdp"] = {mode: compare(record, reference) for mode, record in fsdp_records.items()}
         for mode in experiment.MODES if name == "float32" else ():
             ddp = ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
-            results[name]["fsdp"][f"{mode}_vs_ddp"] = compare(fsdp[mode], ddp)
+            results[name]["fsdp"][f"{mode}_vs_ddp"] = compare(fsdp_records[mode], ddp)
         if name == "float32":  # FSDP hands gloo ReduceOp.AVG for float32 and BF16 gradients (float64: SUM, divided)
             uncorrected = fsdp_run(initial_state, data, plan, "no_sync", rank, world_size, dtype, nullcontext, False)
             results[name]["fsdp"]["broken_uncorrected_reduction"] = compare(uncorrected, reference)
