@@ -282,27 +282,14 @@ def test_the_code_every_node_must_share_is_every_python_file_of_the_package_in_i
     ]
     assert launch.hashed_code() == [REPO / "train.py", REPO / "model.py", *package_files]
     package = tmp_path / "package"
-    for name in (
-        "train.py",
-        "model.py",
-        "package/__init__.py",
-        "package/cli.py",
-        "package/tasks/__init__.py",
-        "package/tasks/image.py",
-        "package/tasks/notes.txt",
-    ):
+    hashed = ["train.py", "model.py", "package/__init__.py", "package/cli.py", "package/tasks/__init__.py"]
+    hashed.append("package/tasks/image.py")
+    for name in [*hashed, "package/tasks/notes.txt"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(launch, "LAB_ROOT", tmp_path)
     monkeypatch.setattr(launch, "PACKAGE_ROOT", package)
-    assert [path.relative_to(tmp_path).as_posix() for path in launch.hashed_code()] == [
-        "train.py",
-        "model.py",
-        "package/__init__.py",
-        "package/cli.py",
-        "package/tasks/__init__.py",
-        "package/tasks/image.py",
-    ]
+    assert [path.relative_to(tmp_path).as_posix() for path in launch.hashed_code()] == hashed
     before = launch.code_and_versions()["code sha256"]
     with open(package / "tasks" / "image.py", "a") as source:
         source.write("# an edit in a subfolder\n")

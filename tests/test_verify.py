@@ -125,12 +125,15 @@ def test_runs_with_different_configurations(runs):
     assert_one_line_error(audit(runs), "come from different configurations (seed: 47 vs 48)", code=1)
 
 
-def test_runs_of_a_task_verify_does_not_know_are_refused_naming_it(runs):
-    """verify.py finds the task's checks by the task the runs recorded; one it has none for is refused, not
-    checked as another task's."""
+@pytest.mark.parametrize("task", ["video", ["text"]])
+def test_runs_of_a_task_verify_does_not_know_are_refused_naming_it(runs, task):
+    """verify.py finds the task's checks by the task the runs recorded; one it has none for, or no name at all, is
+    refused in one line, not checked as another task's."""
     for mode in ("every", "no_sync"):
-        edit_json(runs / mode / files.RUN_RECORD_FILE, lambda record: record["config"].update(task="video"))
-    line = assert_one_line_error(audit(runs), "the runs' task 'video' is none verify.py knows (cifar10, text)", code=1)
+        edit_json(runs / mode / files.RUN_RECORD_FILE, lambda record: record["config"].update(task=task))
+    line = assert_one_line_error(
+        audit(runs), f"the runs' task {task!r} is none verify.py knows (cifar10, text)", code=1
+    )
     assert line.startswith(f"RuntimeError: {runs}/every/run.json: ")
     assert sorted(task_results.TASK_RESULTS) == sorted(experiment.TASKS)  # each task train.py runs has its checks
 
