@@ -42,9 +42,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_no_sync_lab import experiment, files
-from ddp_no_sync_lab.audit import checklist, instruments, tap
-from ddp_no_sync_lab.audit.memory import saved_activations
-from ddp_no_sync_lab.audit.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler
+from ddp_no_sync_lab.audit import face
 from ddp_no_sync_lab.cli import LabError, Progress, exit_with, non_negative_float, positive_int
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import PRECISIONS
@@ -56,7 +54,7 @@ from ddp_no_sync_lab.tasks import data, image, language, loaders, packed
 from model import CLASSES, MEMORY_FORMAT, CifarCNN
 
 SCRIPT = launch.SCRIPT
-tap.TAP.install()  # the byte witness, beneath anything that wraps torch.distributed.all_reduce later
+face.install()  # the witnesses on all_reduce and clip_grad_norm_, beneath anything that wraps them later
 
 
 def parse_args(argv=None):
@@ -122,9 +120,9 @@ def counting_allreduce_hook(comm_audit, bucket):
         return value[0] if isinstance(value, list) else value
 
     # The bytes are those of the tensors handed to the collective, whatever the --comm-hook label says.
-    with tap.TAP.handed() as handed:
+    with face.TAP.handed() as handed:
         if comm_audit.comm_hook != "allreduce":
-            future = instruments.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
+            future = face.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)
         else:
             tensor = bucket.buffer().div_(comm_audit.world_size)
             future = dist.all_reduce(tensor, group=comm_audit.group, async_op=True).get_future()
@@ -140,13 +138,13 @@ def wrap_model(model, device, world_size, group=None, settings=experiment.DDP_DE
         process_group=group,
         **{name: value for name, value in settings.items() if name != "comm_hook"},
     )
-    comm_audit = instruments.CommAudit(
+    comm_audit = face.CommAudit(
         world_size,
         group,
         settings["comm_hook"],
         settings["find_unused_parameters"],
         settings["static_graph"],
-        instruments.CollectiveClock(device.type),
+        face.CollectiveClock(device.type),
     )
     ddp_model.comm_audit = comm_audit
     ddp_model.register_comm_hook(comm_audit, counting_allreduce_hook)
@@ -165,6 +163,7 @@ def make_optimizer(parameters, device):
 
 def train_epoch(
     ddp_model,
+    audit,
     loader,
     plan,
     mode,
@@ -177,11 +176,12 @@ def train_epoch(
     epoch=None,
     session=None,
 ):
-    """One epoch by the window plan from epoch.micro_batch on (a resumed run starts inside it), profiled in part if
-    asked; the session saves or stops at windows' ends. Returns (loss sum, correct, count) and the EpochTrace."""
+    """One epoch by the window plan from epoch.micro_batch on (a resumed run starts inside it), observed by the
+    audit, profiled in part if asked; the session saves or stops at windows' ends. Returns (loss sum, correct,
+    count) and the EpochTrace."""
     epoch = epoch or resume.EpochState(0)
-    comm_audit, trace = ddp_model.comm_audit, epoch.trace
-    checklist.witness_of(ddp_model, optimizer, criterion, device).begin_epoch(trace)
+    comm_audit, trace = audit.comm_audit, epoch.trace
+    audit.begin_epoch(trace)
     ddp_model.train()
     optimizer.zero_grad(set_to_none=True)
     parameters = list(ddp_model.parameters())
@@ -195,10 +195,10 @@ def train_epoch(
         inputs, targets = to_device(inputs, device), targets.to(device, non_blocking=True)
         # The forward belongs inside no_sync too: DDP's forward prepares the reducer for the backward.
         suppress_sync = mode == "no_sync" and not micro_step.sync
-        with span(f"{MICRO_BATCH_LABEL}{index}"):
+        with span(f"{face.MICRO_BATCH_LABEL}{index}"):
             with ddp_model.no_sync() if suppress_sync else nullcontext():
                 # The first micro-batch of each epoch is measured: every full micro-batch holds the same.
-                with saved_activations(ddp_model.module) if index == 0 else nullcontext() as held:
+                with face.saved_activations(ddp_model.module) if index == 0 else nullcontext() as held:
                     with autocast():
                         logits = ddp_model(inputs)
                         raw_loss = criterion(logits, targets)
@@ -206,11 +206,11 @@ def train_epoch(
             if index == 0:
                 trace.saved_activation_bytes = held.activation_bytes
             if micro_step.step:
-                before = instruments.before_step(parameters)
+                before = face.before_step(parameters)
                 optimizer.step()
-                with span(RANK_AGREEMENT_LABEL):
+                with span(face.RANK_AGREEMENT_LABEL):
                     stop = session is not None and session.stop_requested
-                    trace.agreement.append(instruments.ranks_agree(before, parameters, comm_audit.group, stop))
+                    trace.agreement.append(face.ranks_agree(before, parameters, comm_audit.group, stop))
                 optimizer.zero_grad(set_to_none=True)
         if profiler:
             profiler.after_micro_batch(index)
@@ -274,18 +274,18 @@ def to_device(inputs, device):
 
 @dataclass
 class Training:
-    """What a run trains with: its window plan, the model and its DDP (or FSDP) wrapper with the communication
-    audit, the loss, the optimizer and its schedule, the precision's autocast, and the profiler if asked."""
+    """What a run trains with: its window plan, the model and its DDP (or FSDP) wrapper, the loss, the optimizer
+    and its schedule, the audit on them, the precision's autocast, and the profiler if asked."""
 
     plan: list
     model: nn.Module
     ddp_model: Wrapper  # DDP's AuditedDDP or FSDP2's ShardedModel
-    comm_audit: instruments.CommAudit
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    audit: face.Audit  # the checklist's witnesses and the collectives' counts
     autocast: partial
-    profiler: WindowProfiler | None  # over --profile-windows K windows of epoch 1
+    profiler: face.WindowProfiler | None  # over --profile-windows K windows of epoch 1
 
 
 def make_training(options, place, setup, config):
@@ -310,11 +310,14 @@ def make_training(options, place, setup, config):
     config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
     config.update(language.text_config(options) if text else {})
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.epochs)
+    audit = face.attach(ddp_model, optimizer, criterion, comm_audit, setup.device)
     autocast = partial(setup.precision.autocast, setup.device.type)
     profiler = None
     if options.profile_windows:
-        profiler = WindowProfiler(options.profile_windows, options.accum_steps, len(plan), setup.device, comm_audit)
-    return Training(plan, model, ddp_model, comm_audit, criterion, optimizer, scheduler, autocast, profiler)
+        profiler = face.WindowProfiler(
+            options.profile_windows, options.accum_steps, len(plan), setup.device, comm_audit
+        )
+    return Training(plan, model, ddp_model, criterion, optimizer, scheduler, audit, autocast, profiler)
 
 
 def evaluation(options, setup, training, progress):
@@ -373,24 +376,25 @@ def run(options, place):
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
         folder.publish({**run_record, "launch_id": place.job, "segments": resumption.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
-    instruments.settle_comm_hooks()
+    face.settle_comm_hooks()
 
 
 def train_and_validate(options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
     """One epoch's training (from where a resumed one stopped) and validation; its history row."""
-    device, ddp_model, comm_audit = setup.device, training.ddp_model, training.comm_audit
+    device, ddp_model, comm_audit = setup.device, training.ddp_model, training.audit.comm_audit
     setup.split.train_sampler.set_epoch(epoch.number - 1)
     progress.prefix = f"epoch {epoch.number}/{options.epochs} "
     epoch.audit_before = epoch.audit_before or comm_audit.totals()  # a resumed epoch keeps its own
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    epoch.segment_started = instruments.read_clock(device)
+    epoch.segment_started = face.read_clock(device)
     plan = training.plan
     if options.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
         plan = packed.loss_plan(plan, setup.split, options, place, epoch.number - 1)
     with profiled or nullcontext(), ddp.ddp_errors_explained():
         train_epoch(
             ddp_model,
+            training.audit,
             setup.loaders.train,
             plan,
             options.mode,
@@ -403,13 +407,13 @@ def train_and_validate(options, place, setup, training, epoch, session, profiled
             epoch,
             session,
         )
-    validation_started = instruments.read_clock(device)
+    validation_started = face.read_clock(device)
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     validation = evaluate_on(setup.loaders.validation, label="validation")
     train_seconds = epoch.train_seconds + validation_started - epoch.segment_started
-    phase_seconds = (train_seconds, instruments.read_clock(device) - validation_started)
-    epoch.trace.sample_shards = instruments.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
-    epoch.trace.checklist_summary = ddp_model.witness.end_epoch()
+    phase_seconds = (train_seconds, face.read_clock(device) - validation_started)
+    epoch.trace.sample_shards = face.shard_coverage(setup.split.train_sampler, setup.split.sizes["train"])
+    epoch.trace.checklist_summary = training.audit.end_epoch()
     training.scheduler.step()
     return records.epoch_row(
         epoch, options.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ddp_no_sync_lab import experiment
-from ddp_no_sync_lab.audit.profiler import check_profile
+from ddp_no_sync_lab.audit.face import check_profile
 from ddp_no_sync_lab.checks import certify, facts, strict_audit, task_results
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
 from ddp_no_sync_lab.files import (

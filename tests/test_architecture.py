@@ -92,6 +92,14 @@ def test_no_script_is_imported_by_another_script_except_model():
         assert imported_lab_modules(REPO / script) - set(layer_order()) <= {"model.py"}, script
 
 
+def test_the_scripts_reach_the_audit_through_its_face_alone():
+    """The audit is a library with one public face (audit/face.py); the scripts, like any other script, use no
+    module of audit/ but it (verify.py judges through checks/)."""
+    for script in SCRIPTS:
+        audit = {name for name in imported_lab_modules(REPO / script) if name.startswith("audit.")}
+        assert audit <= {"audit.face"}, f"{script} imports {sorted(audit - {'audit.face'})}: use audit.face"
+
+
 def test_no_module_beneath_the_scripts_reads_the_argparse_namespace():
     """train.py hands its options down as one frozen TrainOptions; nothing beneath parses one (parse_args,
     parse_known_args), names argparse's Namespace, or has a parameter or variable named args."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ddp_no_sync_lab import experiment
+from ddp_no_sync_lab.audit.clipping import CLIPS
 from ddp_no_sync_lab.audit.memory import held_bytes, local
 from ddp_no_sync_lab.audit.scale import CROSS_ENTROPY, UNIT_ROUNDOFF, divisor_runs, loss_scale, recorded_divisor
 from ddp_no_sync_lab.experiment import IGNORE_INDEX, runs_of
@@ -205,8 +206,12 @@ class Witness:
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
         self.loss = LossReading(self.counts_tokens)
         self.trace, self.awaiting_loss = None, False
-        self.expectation = None  # what the gradients hold now: None (unknown), ("local", F, bound), ("synced",)
+        # What the gradients hold now: None (unknown), ("local", F, bound, norm): F within bound (their 2-norm at
+        # most norm), ("synced",): the synchronized gradient, not yet read.
+        self.expectation = None
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
+        self.synced_read = None  # [F, Q] of the synchronized gradient, read as DDP's backward ended
+        self.clippable = False  # the gradients held are the window's synchronized ones, read, untouched since
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
@@ -215,6 +220,8 @@ class Witness:
             self.hook(self.parameters)
         optimizer.register_step_pre_hook(self.on_step_begin)
         optimizer.register_step_post_hook(self.on_step_end)
+        comm_audit.on_sync = self.on_sync
+        CLIPS.listeners.add(self)
 
     def hook(self, tensors):
         for index, tensor in enumerate(tensors):
@@ -310,6 +317,33 @@ class Witness:
         if self.pending is not None:
             self.projection.copy_own(index, gradient)
 
+    def on_sync(self):
+        """The hook's last bucket of a backward (DDP's replicas): read the synchronized gradient once DDP has written
+        it, in autograd's final callbacks: DDP queues its own after this call, so a callback queued now queues the
+        reader behind it. Read there, at the sync, a clip between the backward and the step cannot change it."""
+        if self.unsharded is not None:  # FSDP's shards: read at the next event
+            return
+        if torch._C._current_graph_task_id() == -1:  # outside a backward (a hook called by hand): nothing to wait on
+            self.read_synced()
+            return
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self.read_synced))
+
+    def read_synced(self):
+        self.synced_read = self.projection.held()[0]
+        self.window[SYNCED_F] += self.synced_read[0]
+
+    def on_clip(self, clipped, factor):
+        """clip_grad_norm_ scaled the gradients of `clipped` (parameter ids) by `factor`: expected of the window's
+        synchronized gradient, read and untouched since, when every parameter of the model was clipped; anywhere
+        else (local gradients, or part of the model) the next read finds them altered."""
+        self.close_backward()
+        if self.clippable and {id(p) for p in self.parameters} <= clipped:
+            _, expected, bound, norm = self.expectation
+            factor = factor.to(self.device, torch.float64)
+            rounding = norm * factor * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
+            self.expectation = ("local", expected * factor, bound * factor + rounding, norm * factor)
+
     def on_step_begin(self, optimizer, step_args, step_kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
         self.reduce_window()
@@ -343,9 +377,12 @@ class Witness:
             self.window_syncs += 1
             self.wire_dtype = self.comm_audit.wire_dtype or torch.float32
             self.expectation = ("synced",)
+            if self.synced_read is not None:  # read as the backward ended: from here on it must stay as read
+                self.expectation = self.as_read(self.synced_read, sharded=False)
+                self.synced_read, self.clippable = None, True
         else:  # accumulated locally in float32: each element rounded once, |e| <= u |local|, projected
             bound = local[1] * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
-            self.expectation = ("local", local[0], bound)
+            self.expectation = ("local", local[0], bound, local[1])
 
     def observe(self, point, index):
         """Read the gradients at `point` of micro-batch `index`: fresh (None or all zero: a reset, whatever made
@@ -355,17 +392,21 @@ class Witness:
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
         off = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.expectation is not None and self.expectation[0] == "local":
-            _, expected, bound = self.expectation
+            _, expected, bound, _ = self.expectation
             off = ~fresh & ((now[0] - expected).abs() > bound)
         elif self.expectation is not None and self.expectation[0] == "synced":
             self.window[SYNCED_F] += now[0]
         self.trace.state_points.append((point, index))  # on the host: no copy to the device
         self.trace.gradient_states.append(torch.stack([fresh, off]))
-        # From here on the gradients must stay as read (only a reset or a backward may change them): the same
-        # values projected again give the same sum, within the float64 sum's own rounding.
-        weight = self.comm_audit.world_size if sharded else 1
-        self.expectation = ("local", now[0], now[1].sqrt() * 2 * self.projection.dot_slack * weight)
+        self.expectation, self.clippable = self.as_read(now, sharded), False
         return now, sharded
+
+    def as_read(self, now, sharded):
+        """From here on the gradients must stay as read (only a reset or a backward may change them): the same
+        values projected again give the same sum, within the float64 sum's own rounding."""
+        weight = self.comm_audit.world_size if sharded else 1
+        norm = now[1].sqrt()
+        return ("local", now[0], norm * 2 * self.projection.dot_slack * weight, norm)
 
     def reduce_window(self):
         """One SUM all-reduce of the window's local projections, samples, forwards and syncs (counted as the
@@ -394,13 +435,6 @@ class Witness:
         self.trace.averages.append(torch.stack([synced, mean, bound, *counted]))  # SYNCED .. STEP_TOKENS
         self.window.zero_()
         self.window_syncs = 0
-
-
-def witness_of(ddp_model, optimizer, criterion, device):
-    """The model's witnesses, attached at its first training epoch: their hooks watch every epoch after it."""
-    if not hasattr(ddp_model, "witness"):
-        ddp_model.witness = Witness(ddp_model, optimizer, criterion, ddp_model.comm_audit, device)
-    return ddp_model.witness
 
 
 def summarize(trace, state_steps):

@@ -6,6 +6,7 @@ strategies/ddp.py's AuditedDDP."""
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -146,6 +147,7 @@ class CommAudit:
     reduce_scatters: int = 0
     reduce_scatter_bytes: int = 0
     awaiting_sync: bool = False  # FSDP: a training forward ran, its backward's first reduce-scatter is a sync
+    on_sync: Callable[[], None] | None = None  # the checklist's witness, told of each sync as it is counted
 
     def count_sync(self):
         """One synchronized backward ended (its last bucket's hook call); with it DDP's all-reduce of which
@@ -153,6 +155,8 @@ class CommAudit:
         the wrapper's first under a static graph (tests/workers/comm_audit.py checks it against the profiler)."""
         self.gradient_syncs += 1
         self.wrapper_syncs += 1
+        if self.on_sync is not None:
+            self.on_sync()
         if self.static_graph:
             self.used_map_allreduces += self.wrapper_syncs == 1
         else:

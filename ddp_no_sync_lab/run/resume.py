@@ -294,7 +294,7 @@ class Session:
 
     @property
     def comm_audit(self):
-        return self.training.comm_audit
+        return self.training.audit.comm_audit
 
     @property
     def train_loader(self):

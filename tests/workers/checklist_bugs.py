@@ -65,7 +65,7 @@ LOOP_EDITS = {
     ],
     "compression_label_lies": [
         (
-            "future = instruments.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)",
+            "future = face.COMPRESSION_HOOKS[comm_audit.comm_hook](comm_audit.group, bucket)",
             "future = dist.all_reduce(bucket.buffer().div_(comm_audit.world_size), group=comm_audit.group, "
             "async_op=True).get_future()",
         )

@@ -23,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train
 from ddp_no_sync_lab import cli, experiment
-from ddp_no_sync_lab.audit import instruments
+from ddp_no_sync_lab.audit import face, instruments
 from model import CifarCNN
 
 BATCH, ACCUM, MICRO_BATCHES, EPOCHS = 4, 4, 8, 2
@@ -109,12 +109,13 @@ def main():
         settings = {**experiment.DDP_DEFAULTS, **changes}
         ddp_model, comm_audit = train.wrap_model(CifarCNN(), CPU, world_size, settings=settings)
         optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3)
+        audit = face.attach(ddp_model, optimizer, criterion, comm_audit, CPU)
         for epoch in range(1, EPOCHS + 1):
             sampler.set_epoch(epoch)
             before = comm_audit.totals()
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
                 _, trace = train.train_epoch(
-                    ddp_model, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress
+                    ddp_model, audit, loader, plan, mode, optimizer, criterion, CPU, nullcontext, progress
                 )
                 buffers_equal_after_training = buffers_equal_rank_0s(ddp_model.module)
                 train.evaluate(ddp_model, evaluation, criterion, CPU, nullcontext, progress, "validation")

@@ -28,7 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train
 from ddp_no_sync_lab import cli, experiment
-from ddp_no_sync_lab.audit import instruments
+from ddp_no_sync_lab.audit import face, instruments
 from ddp_no_sync_lab.precision import choose_precision
 from ddp_no_sync_lab.strategies import fsdp
 from model import MEMORY_FORMAT, CifarCNN
@@ -74,13 +74,14 @@ def new_model(initial_state, dtype):
 
 def ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast):
     model = new_model(initial_state, dtype)
-    ddp_model, audit = train.wrap_model(model, CPU, world_size)
-    optimizer = new_optimizer(ddp_model)
+    ddp_model, comm_audit = train.wrap_model(model, CPU, world_size)
+    optimizer, criterion = new_optimizer(ddp_model), nn.CrossEntropyLoss()
     record = recorder(ddp_model, optimizer)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
     progress = cli.Progress(enabled=False, interval=0)
-    train.train_epoch(ddp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, autocast, progress)
-    record["gradient_syncs"] = audit.gradient_syncs
+    audit = face.attach(ddp_model, optimizer, criterion, comm_audit, CPU)
+    train.train_epoch(ddp_model, audit, loader, plan, mode, optimizer, criterion, CPU, autocast, progress)
+    record["gradient_syncs"] = comm_audit.gradient_syncs
     # Every rank's parameters after each step, to check that the replicas agree.
     gathered = [torch.empty_like(record["params"][-1]) for _ in range(world_size)]
     dist.all_gather(gathered, record["params"][-1])
@@ -103,14 +104,15 @@ def fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, autocast,
     for module in fsdp_model.module.modules() if not corrected else ():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(False)
-    optimizer = new_optimizer(fsdp_model)
+    optimizer, criterion = new_optimizer(fsdp_model), nn.CrossEntropyLoss()
     record = {"grads": [], "params": []}
     whole = lambda tensors: torch.cat([t.full_tensor().reshape(-1) for t in tensors])  # noqa: E731
     optimizer.register_step_pre_hook(lambda *_: record["grads"].append(whole(p.grad for p in model.parameters())))
     optimizer.register_step_post_hook(lambda *_: record["params"].append(whole(p.detach() for p in model.parameters())))
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler(data, rank, world_size))
     progress = cli.Progress(enabled=False, interval=0)
-    train.train_epoch(fsdp_model, loader, plan, mode, optimizer, nn.CrossEntropyLoss(), CPU, autocast, progress)
+    audit = face.attach(fsdp_model, optimizer, criterion, counted, CPU)
+    train.train_epoch(fsdp_model, audit, loader, plan, mode, optimizer, criterion, CPU, autocast, progress)
     record["gradient_syncs"], record["ranks_agree"] = counted.gradient_syncs, True  # one model, gathered
     record["reduce_scatters"] = counted.reduce_scatters
     return record

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 import train
 from ddp_no_sync_lab import cli, experiment
-from ddp_no_sync_lab.audit import instruments
+from ddp_no_sync_lab.audit import face, instruments
 from ddp_no_sync_lab.precision import choose_precision
 from ddp_no_sync_lab.tasks import packed
 from ddp_no_sync_lab.tasks.language import ByteTransformer, TokenCrossEntropy
@@ -51,7 +51,7 @@ def new_model(initial_state, dtype):
 def ddp_run(initial_state, rows, normalization, mode, rank, world_size, dtype, autocast, broken=None):
     model = new_model(initial_state, dtype)
     ddp_model, comm_audit = train.wrap_model(model, CPU, world_size)
-    optimizer = new_optimizer(ddp_model)
+    optimizer, criterion = new_optimizer(ddp_model), TokenCrossEntropy()
     record = recorder(ddp_model, optimizer)
     sampler = packed.train_sampler(len(rows.inputs), SEED, rank, world_size)
     loader = packed.RowLoader(rows, sampler, BATCH, CPU)
@@ -61,7 +61,8 @@ def ddp_run(initial_state, rows, normalization, mode, rank, world_size, dtype, a
     place = SimpleNamespace(rank=rank, world_size=world_size)
     plan = broken(plan, rows, rank, world_size) if broken else packed.loss_plan(plan, split, args, place, 0)
     progress = cli.Progress(enabled=False, interval=0)
-    train.train_epoch(ddp_model, loader, plan, mode, optimizer, TokenCrossEntropy(), CPU, autocast, progress)
+    audit = face.attach(ddp_model, optimizer, criterion, comm_audit, CPU)
+    train.train_epoch(ddp_model, audit, loader, plan, mode, optimizer, criterion, CPU, autocast, progress)
     record["gradient_syncs"] = comm_audit.gradient_syncs
     gathered = [torch.empty_like(record["params"][-1]) for _ in range(world_size)]
     dist.all_gather(gathered, record["params"][-1])

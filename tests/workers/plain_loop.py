@@ -1,0 +1,77 @@
+"""Started by tests/test_face.py under torchrun (2 ranks, gloo, CPU).
+
+A plain DDP loop written as a user writes one (a small MLP, DDP's own averaging hook, no_sync() around the first
+micro-batches of each window of 4, the loss divided by 4, the gradient clipped to norm 0.05 between the sync and
+the step), nothing of the lab in it but the audit's face, attached by hand to the objects the loop made. Each
+variant runs one epoch of 3 windows per rank; rank 0 prints one JSON object: per variant, the norms clip_grad_norm_
+returned and every rank's observations.
+
+    clipped          the loop as described
+    rescaled         the synchronized gradient halved by hand before the step (no clip call): the loss divided
+                     twice, made at the gradient
+    clipped_inside   clip_grad_norm_ after every backward, the window's local gradients too
+"""
+
+import json
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_no_sync_lab.audit import face
+
+ACCUM, BATCH, WINDOWS, MAX_NORM = 4, 4, 3, 0.05
+VARIANTS = ("clipped", "rescaled", "clipped_inside")
+CPU = torch.device("cpu")
+
+
+def run(variant, data, world_size):
+    torch.manual_seed(0)
+    ddp_model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    comm_audit = face.CommAudit(world_size)
+    ddp_model.register_comm_hook((comm_audit, None), face.counting(default_hooks.allreduce_hook))
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2)
+    criterion = nn.CrossEntropyLoss()
+    audit = face.attach(ddp_model, optimizer, criterion, comm_audit, CPU)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    audit.begin_epoch(face.EpochTrace())
+    norms = []
+    for index, (inputs, targets) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
+        synchronized = (index + 1) % ACCUM == 0
+        with nullcontext() if synchronized else ddp_model.no_sync():
+            loss = criterion(ddp_model(inputs), targets) / ACCUM
+            loss.backward()
+        if variant == "clipped_inside":
+            norms.append(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), MAX_NORM).item())
+        if synchronized:
+            if variant == "clipped":
+                norms.append(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), MAX_NORM).item())
+            elif variant == "rescaled":
+                for parameter in ddp_model.parameters():
+                    parameter.grad.mul_(0.5)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"norms": norms, "observed": audit.end_epoch(), "syncs": comm_audit.gradient_syncs}
+
+
+def main():
+    face.install()
+    dist.init_process_group("gloo")
+    world_size = dist.get_world_size()
+    generator = torch.Generator().manual_seed(1)
+    count = world_size * WINDOWS * ACCUM * BATCH
+    data = TensorDataset(torch.randn(count, 8, generator=generator), torch.randint(0, 4, (count,), generator=generator))
+    results = {variant: run(variant, data, world_size) for variant in VARIANTS}
+    if dist.get_rank() == 0:
+        print(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
