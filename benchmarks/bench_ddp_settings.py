@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ddp_no_sync_lab import cli, experiment, files
-from ddp_no_sync_lab.audit import instruments
+from ddp_no_sync_lab.audit import face, instruments
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
 from ddp_no_sync_lab.strategies import ddp
 from model import CifarCNN
@@ -128,7 +128,8 @@ def worker(args):
         started = instruments.read_clock(cpu)
         try:
             with ddp.ddp_errors_explained():
-                train.train_epoch(ddp_model, loader, plan, mode, optimizer, criterion, cpu, autocast, progress)
+                audit = face.attach(ddp_model, optimizer, criterion, comm_audit, cpu)
+                train.train_epoch(ddp_model, audit, loader, plan, mode, optimizer, criterion, cpu, autocast, progress)
         except cli.LabError as error:
             broken.append(ddp_model)
             return {"refused": error.line("train.py")}, None

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ddp_no_sync_lab import cli, experiment, files
-from ddp_no_sync_lab.audit import checklist, instruments
+from ddp_no_sync_lab.audit import checklist, face, instruments
 from ddp_no_sync_lab.precision import PRECISIONS, choose_precision
 from ddp_no_sync_lab.run import launch
 from ddp_no_sync_lab.tasks import data, loaders
@@ -150,9 +150,9 @@ def worker(args):
         with the checklist's witnesses (their hooks' own time summed) or without them."""
         ddp_model, comm_audit = train.wrap_model(fresh_model(), device, place.world_size, group)
         ddp_optimizer = train.make_optimizer(ddp_model.parameters(), device)
-        ddp_model.witness = witnesses(ddp_model, ddp_optimizer, criterion, comm_audit, device)
+        audit = face.Audit(comm_audit, witnesses(ddp_model, ddp_optimizer, criterion, comm_audit, device))
         return lambda: train.train_epoch(
-            ddp_model, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress
+            ddp_model, audit, loader, plan, "no_sync", ddp_optimizer, criterion, device, autocast, progress
         )
 
     bodies = {
@@ -228,7 +228,16 @@ def timed_hook(hook):
     return timed
 
 
-for name in ("on_forward", "on_loss", "on_logits_gradient", "on_parameter_gradient", "on_step_begin", "on_step_end"):
+for name in (
+    "on_forward",
+    "on_loss",
+    "on_logits_gradient",
+    "on_parameter_gradient",
+    "on_sync",
+    "read_synced",
+    "on_step_begin",
+    "on_step_end",
+):
     setattr(TimedWitness, name, timed_hook(getattr(checklist.Witness, name)))
 
 

@@ -12,21 +12,23 @@ import pytest
 
 from conftest import REPO, WORKERS, assert_ok, subprocess_env, torchrun
 
+MAX_NORM = 0.05  # tests/workers/plain_loop.py's
+
 IMPORT_ALONE = """
 import sys
 import torch
 import torch.distributed as dist
 from torch.nn.utils import clip_grad
 
-originals = dist.all_reduce, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
+originals = dist.all_reduce, clip_grad._clip_grads_with_norm_, torch.nn.utils.clip_grads_with_norm_
 from ddp_no_sync_lab.audit import face
 
 loaded = sorted(name for name in sys.modules if name == "model" or name.startswith("ddp_no_sync_lab.tasks"))
-untouched = (dist.all_reduce, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_norm_) == originals
+untouched = (dist.all_reduce, clip_grad._clip_grads_with_norm_, torch.nn.utils.clip_grads_with_norm_) == originals
 face.install()
-installed = (dist.all_reduce, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_norm_)
+installed = (dist.all_reduce, clip_grad._clip_grads_with_norm_, torch.nn.utils.clip_grads_with_norm_)
 face.install()
-again = (dist.all_reduce, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_norm_) == installed
+again = (dist.all_reduce, clip_grad._clip_grads_with_norm_, torch.nn.utils.clip_grads_with_norm_) == installed
 changed = [a is not b for a, b in zip(installed, originals)]
 print(loaded, untouched, str(changed).replace(" ", ""), again, sorted(face.__all__))
 """
@@ -48,32 +50,46 @@ def plain_loop():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def observed_alike(variant):
-    """Every rank's observations of the variant, the same on both ranks but for what is altered; 3 windows of 4."""
+def observed_alike(variant, syncs=3):
+    """Every rank's observations of the variant (3 windows of 4), the same on both ranks but for what is altered
+    and which steps took a clipped gradient."""
     ranks = variant["observed"]["ranks"]
-    assert len(ranks) == 2 and variant["syncs"] == 3
+    assert len(ranks) == 2 and variant["syncs"] == syncs
     for rank in ranks:
         assert rank["fresh_at_backward"] == [[0, 9, 4]] and rank["fresh_at_step"] == []
         assert rank["loss_divisors"] == [[0, 12, 4]] and rank["step_samples"] == [[32, 3]]
         assert rank["averages_checked"] == 3 and rank["first_average_off"] is None
-    return [rank["altered_at"] for rank in ranks]
+    return [rank["altered_at"] for rank in ranks], [rank.get("clip_factors") for rank in ranks]
+
+
+def clip_factors(norms):
+    """torch's factor for each norm the clip found (all above MAX_NORM: each step's gradient really scaled)."""
+    assert len(norms) == 3 and min(norms) > MAX_NORM
+    return [pytest.approx(MAX_NORM / (norm + 1e-6), rel=1e-6) for norm in norms]
 
 
 @pytest.mark.torchrun
-def test_a_plain_loop_clipped_between_sync_and_step_passes(plain_loop):
-    clipped = plain_loop["clipped"]
-    assert len(clipped["norms"]) == 3 and min(clipped["norms"]) > 0.05  # each step's gradient really scaled down
-    assert observed_alike(clipped) == [[], []]
+@pytest.mark.parametrize(
+    "variant, syncs",
+    [("clipped", 3), ("static_graph", 12), ("bucket_view", 3), ("unused_parameter", 3), ("split_api", 3)],
+)
+def test_a_plain_loop_clipped_between_sync_and_step_passes(plain_loop, variant, syncs):
+    run = plain_loop[variant]
+    assert observed_alike(run, syncs) == ([[], []], [clip_factors(run["norms"])] * 2)
 
 
 @pytest.mark.torchrun
 def test_a_gradient_rescaled_by_hand_before_the_step_is_refused(plain_loop):
-    assert observed_alike(plain_loop["rescaled"]) == [[[3, 12, 4]], [[3, 12, 4]]]  # at each step: 3, 7, 11
+    # At each step: micro-batches 3, 7, 11 (a progression); no clip taken.
+    assert observed_alike(plain_loop["rescaled"]) == ([[[3, 12, 4]]] * 2, [None, None])
 
 
 @pytest.mark.torchrun
-def test_local_gradients_clipped_inside_the_window_are_refused(plain_loop):
-    inside = plain_loop["clipped_inside"]
-    assert len(inside["norms"]) == 12
-    # Each local backward's clip is seen at the next backward's start; the window's synchronized clip passes.
-    assert observed_alike(inside) == [[[1, 4, 1], [5, 8, 1], [9, 12, 1]]] * 2
+@pytest.mark.parametrize("variant, syncs", [("clipped_inside", 3), ("every_clipped_each", 12)])
+def test_gradients_clipped_before_the_windows_last_backward_are_refused(plain_loop, variant, syncs):
+    """Each clip before the window's last backward (local gradients, or a part of the window's synchronized) is
+    seen at the next backward's start; the clip after the window's last backward is the step's, and taken."""
+    run = plain_loop[variant]
+    altered, factors = observed_alike(run, syncs)
+    assert altered == [[[1, 4, 1], [5, 8, 1], [9, 12, 1]]] * 2
+    assert factors == [clip_factors(run["norms"][3::4])] * 2

@@ -59,11 +59,12 @@ class ChecklistTrace:
     gradient_states: list = field(default_factory=list)  # per observation, on the device: [fresh, off]
     averages: list = field(default_factory=list)  # per step: [synced, mean, bound, samples, forwards(, tokens)]
     micro_batch_tokens: list = field(default_factory=list)  # the text task: target tokens per loss, on the device
+    clip_factors: list = field(default_factory=list)  # per step that took a clipped gradient: the factor, on device
 
     def to(self, device):
         """A copy with its device tensors on `device`, each list moved in one copy."""
         moved = ChecklistTrace(**vars(self))
-        for name in ("loss_scales", "gradient_states", "averages", "micro_batch_tokens"):
+        for name in ("loss_scales", "gradient_states", "averages", "micro_batch_tokens", "clip_factors"):
             values = getattr(self, name)
             setattr(moved, name, list(torch.stack(values).to(device).unbind()) if values else [])
         return moved
@@ -212,6 +213,7 @@ class Witness:
         self.pending = None  # the backward under way: (micro-batch, [F, Q] before, syncs before)
         self.synced_read = None  # [F, Q] of the synchronized gradient, read as DDP's backward ended
         self.clippable = False  # the gradients held are the window's synchronized ones, read, untouched since
+        self.clipped = None  # what a clip of them makes of the expectation, and its factor: held at the step alone
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(self.on_forward)
@@ -220,6 +222,8 @@ class Witness:
             self.hook(self.parameters)
         optimizer.register_step_pre_hook(self.on_step_begin)
         optimizer.register_step_post_hook(self.on_step_end)
+        if comm_audit.on_sync is not None:
+            raise ValueError("this CommAudit is attached to a witness already: give each Audit its own CommAudit")
         comm_audit.on_sync = self.on_sync
         CLIPS.listeners.add(self)
 
@@ -321,28 +325,29 @@ class Witness:
         """The hook's last bucket of a backward (DDP's replicas): read the synchronized gradient once DDP has written
         it, in autograd's final callbacks: DDP queues its own after this call, so a callback queued now queues the
         reader behind it. Read there, at the sync, a clip between the backward and the step cannot change it."""
-        if self.unsharded is not None:  # FSDP's shards: read at the next event
-            return
-        if torch._C._current_graph_task_id() == -1:  # outside a backward (a hook called by hand): nothing to wait on
-            self.read_synced()
+        # FSDP's shards, and a hook run outside a backward (DDP's Join runs it in a forward): read at the next event.
+        if self.unsharded is not None or torch._C._current_graph_task_id() == -1:
             return
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self.read_synced))
 
     def read_synced(self):
-        self.synced_read = self.projection.held()[0]
-        self.window[SYNCED_F] += self.synced_read[0]
+        if self.pending is not None:  # a backward the witnesses saw begin (at the logits)
+            self.synced_read = self.projection.held()[0]
+            self.window[SYNCED_F] += self.synced_read[0]
 
     def on_clip(self, clipped, factor):
-        """clip_grad_norm_ scaled the gradients of `clipped` (parameter ids) by `factor`: expected of the window's
-        synchronized gradient, read and untouched since, when every parameter of the model was clipped; anywhere
-        else (local gradients, or part of the model) the next read finds them altered."""
+        """torch scaled the gradients of `clipped` (parameter ids) to a norm, by `factor`: expected at the step of
+        the window's synchronized gradient, read and untouched since, when every gradient the model holds was
+        clipped; anywhere else (local gradients, part of the model, a backward next) the next read finds them
+        altered."""
         self.close_backward()
-        if self.clippable and {id(p) for p in self.parameters} <= clipped:
-            _, expected, bound, norm = self.expectation
+        held = {id(p) for p in self.parameters if p.grad is not None}
+        if self.clippable and held and held <= clipped and torch.isfinite(factor):
+            _, expected, bound, norm, so_far = self.clipped or (*self.expectation, 1.0)
             factor = factor.to(self.device, torch.float64)
             rounding = norm * factor * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
-            self.expectation = ("local", expected * factor, bound * factor + rounding, norm * factor)
+            self.clipped = ("local", expected * factor, bound * factor + rounding, norm * factor, so_far * factor)
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
         self.observe(STEP, self.trace.micro_batches - 1)
@@ -391,6 +396,10 @@ class Witness:
         now, none_held, sharded = self.projection.held()
         fresh = torch.ones((), dtype=torch.bool, device=self.device) if none_held else now[1] == 0
         off = torch.zeros((), dtype=torch.bool, device=self.device)
+        if point == STEP and self.clipped is not None:  # the synchronized gradient clipped: the step's to take
+            self.expectation, factor = self.clipped[:4], self.clipped[4]
+            self.trace.clip_factors.append(factor)
+        self.clipped = None
         if self.expectation is not None and self.expectation[0] == "local":
             _, expected, bound, _ = self.expectation
             off = ~fresh & ((now[0] - expected).abs() > bound)
@@ -461,12 +470,14 @@ def summarize(trace, state_steps):
             [index for (point, index), (fresh, off) in observed if keep(point, fresh, off)]
         )
 
-    tokens = {}  # the text task: per micro-batch on this rank, per step over every rank
-    if trace.micro_batch_tokens:
-        tokens["micro_batch_tokens"] = runs_of(torch.stack(trace.micro_batch_tokens).tolist())
-        tokens["step_tokens"] = runs_of([int(step[STEP_TOKENS]) for step in averages])
+    present = {}  # only where seen: the clipped steps' factors (train.py clips nothing); the text task's tokens
+    if trace.clip_factors:
+        present["clip_factors"] = torch.stack(trace.clip_factors).tolist()
+    if trace.micro_batch_tokens:  # per micro-batch on this rank, per step over every rank
+        present["micro_batch_tokens"] = runs_of(torch.stack(trace.micro_batch_tokens).tolist())
+        present["step_tokens"] = runs_of([int(step[STEP_TOKENS]) for step in averages])
     return {
-        **tokens,
+        **present,
         "micro_batches": trace.micro_batches,
         "samples": trace.samples,
         "backwards": trace.backwards,
