@@ -50,8 +50,8 @@ from ddp_no_sync_lab.run import launch, records, resume
 from ddp_no_sync_lab.strategies import ddp
 from ddp_no_sync_lab.strategies.fsdp import fsdp_in_range, wrap_sharded
 from ddp_no_sync_lab.strategies.surface import Wrapper
-from ddp_no_sync_lab.tasks import data, image, language, loaders, packed
-from model import CLASSES, MEMORY_FORMAT, CifarCNN
+from ddp_no_sync_lab.tasks import loaders
+from model import CLASSES, MEMORY_FORMAT
 
 SCRIPT = launch.SCRIPT
 face.install()  # the witnesses on all_reduce and clip_grad_norm_, beneath anything that wraps them later
@@ -290,25 +290,21 @@ class Training:
 
 def make_training(options, place, setup, config):
     """The plan, then the model (its seeded weights), its wrapper, the loss and the optimizer, in that order; the
-    configuration gains what they decided."""
-    text = options.task == "text"  # the second task: its model, loss and measures where the document has CIFAR's
+    configuration gains what they decided. The task (setup.task) decides the plan's divisors, model and loss."""
     plan = experiment.window_plan(len(setup.loaders.train), options.accum_steps, options.partial_window)
-    if not text and options.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
-        config.update(loss_normalization=options.loss_normalization)
-    plan = plan if text else experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
+    plan = setup.task.window_plan(plan, options, config)
 
-    model = (language.ByteTransformer if text else CifarCNN)(activation_checkpointing=options.activation_checkpointing)
-    model = model.to(setup.device, memory_format=MEMORY_FORMAT)
+    model = setup.task.build_model(options).to(setup.device, memory_format=MEMORY_FORMAT)
     if options.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/strategies/fsdp.py)
         ddp_model, comm_audit = wrap_sharded(model, setup.device, place.world_size, setup.group, config)
     else:
         settings = experiment.ddp_settings(config)
         ddp_model, comm_audit = wrap_model(model, setup.device, place.world_size, setup.group, settings)
-    criterion = language.TokenCrossEntropy() if text else nn.CrossEntropyLoss()
+    criterion = setup.task.criterion()
     optimizer = make_optimizer(ddp_model.parameters(), setup.device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
     config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
-    config.update(language.text_config(options) if text else {})
+    config.update(setup.task.run_config(options))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.epochs)
     audit = face.attach(ddp_model, optimizer, criterion, comm_audit, setup.device)
     autocast = partial(setup.precision.autocast, setup.device.type)
@@ -321,9 +317,10 @@ def make_training(options, place, setup, config):
 
 
 def evaluation(options, setup, training, progress):
-    """The task's evaluation of held-out data through the wrapper, given the loader and its progress label."""
+    """The task's evaluation of held-out data through the wrapper (the document's: evaluate above), given the loader
+    and its progress label."""
     return partial(
-        language.evaluate if options.task == "text" else evaluate,
+        setup.task.evaluate or evaluate,
         training.ddp_model,
         criterion=training.criterion,
         device=setup.device,
@@ -372,7 +369,9 @@ def run(options, place):
     test = evaluate_on(setup.loaders.test, label="test")
     weights = training.ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
     if is_writer:
-        report, run_record = write_results(options, setup, config, training, folder, test, weights, run_id, started_at)
+        report, run_record = setup.task.write_results(
+            folder, options, config, setup, training.model, test, weights, run_id, started_at
+        )
         # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
         folder.publish({**run_record, "launch_id": place.job, "segments": resumption.segments})
         print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
@@ -388,9 +387,7 @@ def train_and_validate(options, place, setup, training, epoch, session, profiled
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     epoch.segment_started = face.read_clock(device)
-    plan = training.plan
-    if options.task == "text":  # each micro-batch's divisor from its window's tokens over every rank
-        plan = packed.loss_plan(plan, setup.split, options, place, epoch.number - 1)
+    plan = setup.task.epoch_plan(training.plan, setup.split, options, place, epoch.number - 1)
     with profiled or nullcontext(), ddp.ddp_errors_explained():
         train_epoch(
             ddp_model,
@@ -417,18 +414,6 @@ def train_and_validate(options, place, setup, training, epoch, session, profiled
     training.scheduler.step()
     return records.epoch_row(
         epoch, options.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group
-    )
-
-
-def write_results(options, setup, config, training, folder, test, weights, run_id, started_at):
-    """The run's report and record (rank 0): the text task's, or the document's (its test results, the confusion
-    matrix, a sample image)."""
-    if options.task == "text":
-        return language.write_results(folder, options, config, test, setup.split, training.model, run_id, started_at)
-    majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
-    sample = setup.source.test_images[0]
-    return image.write_results(
-        folder, options, config, test[2], majority, weights, sample, test[:2], run_id, started_at
     )
 
 

@@ -31,6 +31,7 @@ from ddp_no_sync_lab.files import claim_output, is_replaceable_output
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import Precision, choose_precision
 from ddp_no_sync_lab.tasks import data, loaders, packed
+from ddp_no_sync_lab.tasks.registry import TASKS, Task
 
 SCRIPT = "train.py"
 # The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
@@ -256,6 +257,7 @@ class Setup:
     precision: Precision
     hardware: list  # every node's, distinct
     output_claim: IO | None  # rank 0: the output's lock, held until the process ends; None elsewhere
+    task: Task
     source: data.DataSource | packed.TextSource
     split: data.Split  # packed.TextSplit, a Split, for the text task
     loaders: loaders.Loaders
@@ -296,31 +298,18 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
         device = torch.device("cuda", place.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     precision, hardware = agree_on_precision(options, place, device)
-    text = options.task == "text"  # its corpus ships with Python: nothing to fetch, the same on every node's Python
+    task = TASKS[options.task]
     # One process per node fetches the data for its node; the node's other processes wait here for it.
-    agree(place, lambda: data.prepare_data(options.data_dir) if place.local_rank == 0 and not text else None)
-    source = agree(place, packed.load_corpus if text else lambda: data.load_data(options.data_dir))
-    where = f"Python's {packed.CORPUS}" if text else f"{options.data_dir}/"
-    remedy = "run every node on the same Python" if text else "give every node the same copy of the dataset"
+    agree(place, lambda: task.prepare_data(options) if place.local_rank == 0 else None)
+    source = agree(place, lambda: task.load_source(options))
+    where, remedy = task.source_place(options)
     require_same(place, source.summary(), f"its data in {where} differ", remedy)
     group = training_group(device, options.gpu_backend)
     seed_everything(options.seed + place.rank)
-    split = (packed if text else data).make_split(source, options.seed, place.rank, place.world_size)
-    if text:
-        rank_loaders = packed.build_loaders(split, options.batch_size, place.rank, place.world_size, device)
-    else:
-        rank_loaders = loaders.build_loaders(
-            options.loader,
-            source,
-            split,
-            options.batch_size,
-            place.rank,
-            place.world_size,
-            device,
-            options.seed + place.rank,
-        )
+    split = task.make_split(source, options.seed, place.rank, place.world_size)
+    rank_loaders = task.build_loaders(options, source, split, place.rank, place.world_size, device)
     backend = dist.get_backend(group)
-    return Setup(device, group, backend, code, precision, hardware, output_claim, source, split, rank_loaders)
+    return Setup(device, group, backend, code, precision, hardware, output_claim, task, source, split, rank_loaders)
 
 
 def training_group(device, gpu_backend="nccl"):

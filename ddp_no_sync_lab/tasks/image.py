@@ -1,10 +1,13 @@
-"""The image task's results (the document's): the report with its confusion matrix and the pairs most confused,
-the checkpoint, a test image and the confusion matrix drawn; verify's checks of them are in checks/task_results.py."""
+"""The image task (the document's): CIFAR-10 through data.py and loaders.py, model.py's CNN and its cross-entropy
+divided per sample, and its results: the report with its confusion matrix and the pairs most confused, the
+checkpoint, a test image and the confusion matrix drawn; verify's checks of them are in checks/task_results.py."""
 
 import json
 
 from PIL import Image
+from torch import nn
 
+from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.files import (
     CONFUSION_FILE,
     MODEL_FILE,
@@ -17,7 +20,55 @@ from ddp_no_sync_lab.files import (
 )
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.report import pictures
-from model import CLASSES
+from ddp_no_sync_lab.tasks import data, loaders
+from model import CLASSES, CifarCNN
+
+
+class ImageTask:
+    """The document's task (tasks/registry.py's Task): its evaluation is train.py's own, the lesson's."""
+
+    name = "cifar10"
+    evaluate = None
+
+    def prepare_data(self, options):
+        data.prepare_data(options.data_dir)
+
+    def load_source(self, options):
+        return data.load_data(options.data_dir)
+
+    def source_place(self, options):
+        return f"{options.data_dir}/", "give every node the same copy of the dataset"
+
+    def make_split(self, source, seed, rank, world_size):
+        return data.make_split(source, seed, rank, world_size)
+
+    def build_loaders(self, options, source, split, rank, world_size, device):
+        batch = options.batch_size
+        return loaders.build_loaders(
+            options.loader, source, split, batch, rank, world_size, device, options.seed + rank
+        )
+
+    def build_model(self, options):
+        return CifarCNN(activation_checkpointing=options.activation_checkpointing)
+
+    def criterion(self):
+        return nn.CrossEntropyLoss()
+
+    def window_plan(self, plan, options, config):
+        if options.loss_normalization != "tokens":  # recorded where not the default: the document's runs stay
+            config.update(loss_normalization=options.loss_normalization)
+        return experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
+
+    def run_config(self, options):
+        return {}
+
+    def epoch_plan(self, plan, split, options, place, epoch):
+        return plan
+
+    def write_results(self, folder, options, config, setup, model, test, weights, run_id, started_at):
+        majority = data.majority_class([setup.source.train_labels[index] for index in setup.split.train])
+        sample = setup.source.test_images[0]
+        return write_results(folder, options, config, test[2], majority, weights, sample, test[:2], run_id, started_at)
 
 
 def write_results(

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ddp_no_sync_lab import files
 from ddp_no_sync_lab.experiment import IGNORE_INDEX
 from ddp_no_sync_lab.options import TrainOptions
+from ddp_no_sync_lab.tasks import packed
 from ddp_no_sync_lab.tasks.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
 
 WIDTH, HEADS, LAYERS = 128, 4, 2
@@ -222,3 +223,44 @@ def check_model(path, mode, record):
         raise files.AuditError(f"{path}: not a text-task checkpoint ({' '.join(str(error).split())[:200]})") from None
     files.check(checkpoint.get("run_id") == record["run_id"], path, f"run id {checkpoint.get('run_id')}")
     files.check(checkpoint.get("mode") == mode, path, f"expected mode={mode}, got {checkpoint.get('mode')}")
+
+
+class TextTask:
+    """The second task (tasks/registry.py's Task): Python's documentation texts in packed rows of bytes, the byte
+    transformer, each micro-batch's loss divided by its window's tokens (docs/packed.md)."""
+
+    name = "text"
+    evaluate = staticmethod(evaluate)
+
+    def prepare_data(self, options):
+        """Nothing to fetch: the corpus ships with Python."""
+
+    def load_source(self, options):
+        return packed.load_corpus()
+
+    def source_place(self, options):
+        return f"Python's {CORPUS}", "run every node on the same Python"
+
+    def make_split(self, source, seed, rank, world_size):
+        return packed.make_split(source, seed, rank, world_size)
+
+    def build_loaders(self, options, source, split, rank, world_size, device):
+        return packed.build_loaders(split, options.batch_size, rank, world_size, device)
+
+    def build_model(self, options):
+        return ByteTransformer(activation_checkpointing=options.activation_checkpointing)
+
+    def criterion(self):
+        return TokenCrossEntropy()
+
+    def window_plan(self, plan, options, config):
+        return plan  # each epoch's divisors from its windows' tokens: epoch_plan
+
+    def run_config(self, options):
+        return text_config(options)
+
+    def epoch_plan(self, plan, split, options, place, epoch):
+        return packed.loss_plan(plan, split, options, place, epoch)
+
+    def write_results(self, folder, options, config, setup, model, test, weights, run_id, started_at):
+        return write_results(folder, options, config, test, setup.split, model, run_id, started_at)
