@@ -337,31 +337,20 @@ def run(options, place):
     is_writer = place.rank == 0
     progress = Progress(enabled=is_writer and not options.quiet, interval=options.progress_every)
     evaluate_on = evaluation(options, setup, training, progress)
-    stop = resume.StopRequest()  # SIGTERM from here on: a stop at a window's end, its state saved
-    resumption = resume.find_resumption(options, place, config)  # a saved state to resume from, or none
-    if resumption.finished_run_id:  # a restart after this job's run was published (a teardown that hung)
+    session = open_run(options, place, setup, training, config)
+    if session is None:  # a restart after this job's run was published (a teardown that hung)
         return
-    run_id, started_at = resumption.run_id or files.new_run_id(), files.utc_now()
-    folder = files.RunFolder(options.output, run_id)
-    if is_writer:
-        folder.begin(resuming=resumption.state is not None)
-    history = []
-    session = resume.Session(
-        resumption, place, setup, training, stop, folder, history, options.checkpoint_every_windows
-    )
-    epoch = session.restore() if resumption.state else resume.EpochState(1)
+    epoch = session.restore() if session.resumption.state else resume.EpochState(1)
 
     while epoch.number <= options.epochs:
         profiled = training.profiler if epoch.number == 1 and epoch.micro_batch == 0 else None
-        row = train_and_validate(
-            options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id
-        )
-        history.append(row)
+        row = train_and_validate(options, place, setup, training, epoch, session, profiled, progress, evaluate_on)
+        session.history.append(row)
         if is_writer:
             print(json.dumps(row), flush=True)
-            folder.write(files.HISTORY_FILE, files.json_bytes(history))  # a killed run leaves its history so far
+            session.folder.write(files.HISTORY_FILE, files.json_bytes(session.history))  # a killed run keeps it
         if profiled:
-            profiled.write(folder, place, options.profile_windows)
+            profiled.write(session.folder, place, options.profile_windows)
         epoch = resume.EpochState(epoch.number + 1)
         session.epoch_end(epoch)  # saves the state; stops here if a rank was asked to
 
@@ -369,16 +358,36 @@ def run(options, place):
     test = evaluate_on(setup.loaders.test, label="test")
     weights = training.ddp_model.full_state_dict()  # on every rank: FSDP gathers its shards
     if is_writer:
-        report, run_record = setup.task.write_results(
-            folder, options, config, setup, training.model, test, weights, run_id, started_at
-        )
-        # The torchrun job that made it (a restart reads it), and the hardware of each segment of the run.
-        folder.publish({**run_record, "launch_id": place.job, "segments": resumption.segments})
-        print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
+        publish(options, place, setup, config, training, session, test, weights)
     face.settle_comm_hooks()
 
 
-def train_and_validate(options, place, setup, training, epoch, session, profiled, progress, evaluate_on, run_id):
+def open_run(options, place, setup, training, config):
+    """The run to train, agreed by every rank: the saved one resumed, or a new one; its folder begun (rank 0) and
+    its session. None where this job's run is already published."""
+    stop = resume.StopRequest()  # SIGTERM from here on: a stop at a window's end, its state saved
+    resumption = resume.find_resumption(options, place, config)  # a saved state to resume from, or none
+    if resumption.finished_run_id:
+        return None
+    run_id, started_at = resumption.run_id or files.new_run_id(), files.utc_now()
+    folder = files.RunFolder(options.output, run_id, started_at)
+    if place.rank == 0:
+        folder.begin(resuming=resumption.state is not None)
+    return resume.Session(resumption, place, setup, training, stop, folder, [], options.checkpoint_every_windows)
+
+
+def publish(options, place, setup, config, training, session, test, weights):
+    """Rank 0: the task's report and checkpoint, then the run folder published whole with its record: the torchrun
+    job that made it (a restart reads it) and the hardware of each segment of the run."""
+    folder = session.folder
+    report, run_record = setup.task.write_results(
+        folder, options, config, setup, training.model, test, weights, folder.run_id, folder.started_at
+    )
+    folder.publish({**run_record, "launch_id": place.job, "segments": session.resumption.segments})
+    print(json.dumps({key: value for key, value in report.items() if key != "config"}), flush=True)
+
+
+def train_and_validate(options, place, setup, training, epoch, session, profiled, progress, evaluate_on):
     """One epoch's training (from where a resumed one stopped) and validation; its history row."""
     device, ddp_model, comm_audit = setup.device, training.ddp_model, training.audit.comm_audit
     setup.split.train_sampler.set_epoch(epoch.number - 1)
@@ -413,7 +422,15 @@ def train_and_validate(options, place, setup, training, epoch, session, profiled
     epoch.trace.checklist_summary = training.audit.end_epoch()
     training.scheduler.step()
     return records.epoch_row(
-        epoch, options.mode, validation[:2], comm_audit, phase_seconds, peak_bytes, run_id, device, setup.group
+        epoch,
+        options.mode,
+        validation[:2],
+        comm_audit,
+        phase_seconds,
+        peak_bytes,
+        session.folder.run_id,
+        device,
+        setup.group,
     )
 
 

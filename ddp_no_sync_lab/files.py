@@ -188,9 +188,9 @@ class RunFolder:
     again), then removes what dead runs left. verify.py names each such leftover.
     """
 
-    def __init__(self, output, run_id):
+    def __init__(self, output, run_id, started_at):
         self.output = Path(output)
-        self.run_id = run_id
+        self.run_id, self.started_at = run_id, started_at  # the run's, and this start's UTC time (its record's)
         self.partial = self.output.parent / f".{self.output.name}.partial-{run_id}"
 
     def begin(self, resuming=False):

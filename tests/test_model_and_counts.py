@@ -143,7 +143,7 @@ def test_run_folder_publishes_all_at_once_and_clears_stale_partials(tmp_path):
     (output / files.HISTORY_FILE).write_text("[] (the previous run)")
     stale = tmp_path / ".every.partial-killedrun"
     stale.mkdir()
-    folder = files.RunFolder(output, "newrun")
+    folder = files.RunFolder(output, "newrun", files.utc_now())
     folder.begin()
     assert not stale.exists() and folder.partial.is_dir()
     folder.write(files.HISTORY_FILE, b"[]\n")

@@ -213,7 +213,7 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     """RunFolder.publish moves the old run aside, then the new one into place: a crash between the two
     leaves no no_sync/ at all. verify.py names both hidden folders; the next run into no_sync removes them."""
     output = runs / "no_sync"
-    folder = files.RunFolder(output, "20260101T000000Z-abcdef")
+    folder = files.RunFolder(output, "20260101T000000Z-abcdef", files.utc_now())
     folder.begin()
     for name in files.RUN_FILES:
         shutil.copy(output / name, folder.partial / name)
@@ -248,7 +248,7 @@ def test_a_publish_interrupted_between_its_renames_is_named_and_cleaned(runs, mo
     assert passed.returncode == 0, passed.stderr
     assert f"note: the run that run 20260101T000000Z-abcdef replaced was left in {replaced}" in passed.stdout
 
-    files.RunFolder(output, "nextrun").begin()
+    files.RunFolder(output, "nextrun", files.utc_now()).begin()
     assert sorted(path.name for path in runs.iterdir() if path.name.startswith(".no_sync")) == [
         ".no_sync.lock",
         ".no_sync.partial-nextrun",
