@@ -1,6 +1,6 @@
-"""The text task's model and its measures (train.py --task text): a small causal byte-level transformer over
-tasks/packed.py's rows, its per-token loss, evaluation in loss per token and perplexity, a greedy continuation,
-and its checkpoint.
+"""The text task (train.py --task text; TextTask, tasks/registry.py's Task): its data, split, loaders and per-epoch
+token divisors from tasks/packed.py, a small causal byte-level transformer over its rows, its per-token loss,
+evaluation in loss per token and perplexity, a greedy continuation, and its checkpoint.
 
     ByteTransformer   256-byte embedding (tied to the output), learned positions, 2 pre-norm blocks of width 128
                       (4 heads, an MLP of 512), about 0.43 M parameters; attention within each document only

@@ -22,8 +22,10 @@ __all__ = ["TASKS", "Task"]
 
 
 class Task(Protocol):
-    name: str  # train.py's --task, recorded in the run's configuration
-    evaluate: Callable | None  # held-out data through the wrapper, summed over ranks; None: train.py's own
+    name: str  # train.py's --task (a run records it where its run_config does: the text task's)
+    # Held-out data through the wrapper, summed over ranks: (ddp_model, loader, criterion, device, autocast,
+    # progress, label, group) -> (loss, accuracy, ...). None: train.py's own, the document's ten-class evaluation.
+    evaluate: Callable[..., tuple] | None
 
     def prepare_data(self, options: TrainOptions) -> None:
         """Fetch the data where it is missing (one process per node, before any rank loads it)."""
@@ -54,7 +56,9 @@ class Task(Protocol):
     def run_config(self, options: TrainOptions) -> dict:
         """What the task adds to the run's configuration (both modes must share it)."""
 
-    def epoch_plan(self, plan: list[MicroStep], split: Any, options: TrainOptions, place: Any, epoch: int) -> list:
+    def epoch_plan(
+        self, plan: list[MicroStep], split: Any, options: TrainOptions, place: Any, epoch: int
+    ) -> list[MicroStep]:
         """The plan of one epoch (0-based), where the task's divisors depend on what the epoch reads."""
 
     def write_results(
