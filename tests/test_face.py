@@ -56,6 +56,7 @@ def observed_alike(variant, syncs=3):
     ranks = variant["observed"]["ranks"]
     assert len(ranks) == 2 and variant["syncs"] == syncs
     for rank in ranks:
+        assert (rank["micro_batches"], rank["samples"], rank["loss_short_of_samples"]) == (12, 48, [])
         assert rank["fresh_at_backward"] == [[0, 9, 4]] and rank["fresh_at_step"] == []
         assert rank["loss_divisors"] == [[0, 12, 4]] and rank["step_samples"] == [[32, 3]]
         assert rank["averages_checked"] == 3 and rank["first_average_off"] is None
@@ -71,7 +72,14 @@ def clip_factors(norms):
 @pytest.mark.torchrun
 @pytest.mark.parametrize(
     "variant, syncs",
-    [("clipped", 3), ("static_graph", 12), ("bucket_view", 3), ("unused_parameter", 3), ("split_api", 3)],
+    [
+        ("clipped", 3),
+        ("static_graph", 12),
+        ("bucket_view", 3),
+        ("unused_parameter", 3),
+        ("split_api", 3),
+        ("keywords", 3),
+    ],
 )
 def test_a_plain_loop_clipped_between_sync_and_step_passes(plain_loop, variant, syncs):
     run = plain_loop[variant]

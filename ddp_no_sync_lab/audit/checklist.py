@@ -2,12 +2,13 @@
 
 Every witness reads an event of the run itself, never the window plan the loop follows:
 
-    the model's training forwards     a forward pre-hook: the micro-batch index and the samples that went through
+    the model's training forwards     a forward pre-hook: the micro-batch index and the batch it was given
     the gradient at the logits        a hook on the criterion's input: each backward's start and its loss scale
     each parameter's own gradient     tensor hooks, before accumulation and before any sync: the local contribution
     the gradients' state              a linear float64 projection of every .grad at each backward's start and at
                                       each step: resets (None or zero, however made), accumulation, alterations
-    the loss                          its value and the gradient reaching it (1 / the divisor); the text task's tokens
+    the loss                          its value and the gradient reaching it (1 / the divisor), the samples (its
+                                      targets) behind each step; the text task's tokens
     the optimizer                     its own step pre/post hooks, and its state's step counter
     the collective                    the hook's tensors handed to all_reduce (audit/tap.py)
     the average                       one SUM all-reduce per step of each rank's local projections: the synced
@@ -206,7 +207,7 @@ class Witness:
         self.projection = Projection(self.parameters, device, comm_audit.world_size)
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
         self.loss = LossReading(self.counts_tokens)
-        self.trace, self.awaiting_loss = None, False
+        self.trace, self.awaiting_loss, self.forward_batch = None, False, None
         # What the gradients hold now: None (unknown), ("local", F, bound, norm): F within bound (their 2-norm at
         # most norm), ("synced",): the synchronized gradient, not yet read.
         self.expectation = None
@@ -274,21 +275,25 @@ class Witness:
         if not self.training():
             return
         self.close_backward()
-        samples = inputs[0].shape[0]
         held = held_bytes(self.parameters, self.projection.whole)  # between micro-batches: what the window keeps
         self.epoch_trace.held_bytes = [max(pair) for pair in zip(self.epoch_trace.held_bytes, held)]
         self.trace.micro_batches += 1
-        self.trace.samples += samples
-        self.awaiting_loss = samples  # the criterion's next call is on this forward's output
-        self.window[SAMPLES] += samples
+        # The forward's batch where its first argument shows one (a model called with keywords alone shows none:
+        # its loss's then counts for it); the samples behind a step are counted at the loss (on_loss).
+        batch = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
+        self.trace.samples += batch or 0
+        self.forward_batch, self.awaiting_loss = batch, True  # the criterion's next call is on this forward's output
         self.window[FORWARDS] += 1
 
     def on_loss(self, criterion, inputs, output):
         logits, targets = inputs[0], inputs[1]
         if self.awaiting_loss and self.training() and logits.requires_grad:
-            if targets.shape[0] != self.awaiting_loss:  # a loss over part of the forward's batch
+            if self.forward_batch is None:
+                self.trace.samples += targets.shape[0]
+            elif targets.shape[0] != self.forward_batch:  # a loss over part of the forward's batch
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
+            self.window[SAMPLES] += targets.shape[0]
             # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
             self.loss.read(logits, targets, output)
             if self.counts_tokens:  # the targets that count, as the loss took them
