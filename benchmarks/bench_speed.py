@@ -5,8 +5,9 @@
 
 Back to back, on the same machine:
 1. the compute floor: CifarCNN's forward, backward and AdamW step (train.make_optimizer) on random tensors
-   already on the device, at the lab's micro-batch and numerics (--precision, channels_last), one process
-   per rank running at once as in the lab (torchrun: one thread each on CPU), no DDP, no data; and the
+   already on the device, at the lab's micro-batch (--batch-size: the documented 50) and numerics (--precision,
+   channels_last), one process per rank running at once as in the lab (torchrun: one thread each on CPU), no
+   DDP, no data; and the
    evaluation forward alone;
 2. the audit's overhead: on those tensors, the document's no_sync loop on plain DDP against the lab's loop
    (train.train_epoch on the audited DDP: counts, sync and step positions, the ranks' fingerprints at every
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--nproc-per-node", type=cli.positive_int, default=documented["world_size"])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="as train.py --precision")
+    parser.add_argument(
+        "--batch-size", type=cli.positive_int, default=documented["batch_size"], help="images per micro-batch"
+    )
     parser.add_argument("--windows", type=cli.positive_int, default=10, help="accumulation windows per floor sample")
     parser.add_argument("--repeats", type=cli.positive_int, default=3, help="samples per floor and audit variant")
     parser.add_argument("--output", type=Path, default=Path("artifacts/bench/speed.json"))
@@ -81,7 +85,7 @@ def worker(args):
         torch.cuda.set_device(place.local_rank)
     device = torch.device(device_type, place.local_rank if device_type == "cuda" else None)
     group = dist.new_group(backend="nccl") if device.type == "cuda" else None
-    batch, accum = experiment.DOCUMENTED["batch_size"], experiment.DOCUMENTED["accum_steps"]
+    batch, accum = args.batch_size, experiment.DOCUMENTED["accum_steps"]
     micro_batches = args.windows * accum
     torch.manual_seed(place.rank)
     inputs = torch.randn(batch, 3, 32, 32, device=device).contiguous(memory_format=MEMORY_FORMAT)
@@ -279,6 +283,7 @@ def lab_run(args, loader, workspace):
     output = workspace / loader
     options = ["--mode", "no_sync", "--epochs", "1", "--output", output, "--data-dir", args.data_dir.resolve()]
     options += ["--device", args.device, "--precision", args.precision, "--loader", loader, "--quiet"]
+    options += ["--batch-size", args.batch_size]
     _, seconds = torchrun(
         args.nproc_per_node, REPO / "train.py", *options, "--expected-world-size", args.nproc_per_node
     )
@@ -361,7 +366,7 @@ def main():
         if data.is_image_folder_tree(args.data_dir):
             cache_seconds = time.perf_counter() - started
         options = ["--device", args.device, "--precision", args.precision]
-        options += ["--windows", args.windows, "--repeats", args.repeats]
+        options += ["--windows", args.windows, "--repeats", args.repeats, "--batch-size", args.batch_size]
         result, _ = torchrun(args.nproc_per_node, Path(__file__).resolve(), "--worker", *options)
         measured = json.loads(result.stdout.strip().splitlines()[-1])
         floor = measured["seconds_per_micro_batch"]
@@ -372,7 +377,7 @@ def main():
     device = runs["tensor"]["device"]
     print(
         f"{args.nproc_per_node} process(es) on {device}, {measured['threads']} thread(s) each, micro-batch "
-        f"{experiment.DOCUMENTED['batch_size']}, channels_last; floor: median of {args.repeats} x {args.windows} windows\n"
+        f"{args.batch_size}, channels_last; floor: median of {args.repeats} x {args.windows} windows\n"
         f"precision: {measured['precision_reason']}"
     )
     rows = table_rows(floor, runs)
@@ -383,7 +388,7 @@ def main():
         f"{hooks / floor['lab loop']:.1%} of the lab loop's micro-batch; their all-reduce at each step, waits "
         f"included: {collective * 1000:.2f} ms per micro-batch ({collective / floor['lab loop']:.1%})"
     )
-    settings = ("data_dir", "nproc_per_node", "device", "precision", "windows", "repeats")
+    settings = ("data_dir", "nproc_per_node", "device", "precision", "batch_size", "windows", "repeats")
     report = {
         "machine": machine(device),
         "precision": measured["precision"],

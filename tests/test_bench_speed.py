@@ -12,10 +12,12 @@ from tools import synthetic_data
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench-speed")
-    # 400 train images: 200 per rank, 4 micro-batches of 50, one window of the documented 4.
-    synthetic_data.write_dataset(folder / "data", "image-folders", 500, 100)
+    # 80 train images: 40 per rank, 4 micro-batches of 10, one window of the documented 4; 20 validation images,
+    # one batch per rank (the benchmark's own lines and its floor at micro-batches of 10, not the documented 50).
+    synthetic_data.write_dataset(folder / "data", "image-folders", 100, 20)
     output = folder / "speed.json"
     options = ["--data-dir", folder / "data", "--windows", "1", "--repeats", "1", "--device", "cpu", "--output", output]
+    options += ["--batch-size", "10"]
     result = run_python("benchmarks/bench_speed.py", *options, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads(output.read_text()), folder
@@ -30,6 +32,7 @@ def test_the_lab_runs_of_both_loaders_are_real_one_epoch_runs(bench):
         assert (run["train_micro_batches_per_rank"], run["validation_batches_per_rank"]) == (4, 1)
         assert (run["device"], run["world_size"]) == ("cpu", 2)
         assert run["train_seconds_per_micro_batch"] == pytest.approx(run["epoch_seconds"] / 4)
+    assert record["settings"]["batch_size"] == 10
 
 
 @pytest.mark.torchrun

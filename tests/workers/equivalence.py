@@ -8,10 +8,9 @@ it, and prints (rank 0) one JSON object: per precision, case and variant, the re
 hand-made reference after each step. In float32 it also compares each mode with a reference that sums in
 that mode's order; in float64 it also runs broken plans (no_sync on the wrong micro-batch, losses not
 divided, a step inside the window, a short window divided by accum_steps), which must differ. Under BF16
-autocast on float32 weights (precision.py's bf16) it runs the full windows with the broken plans too, on 8x8
-images: BF16 is emulated, 13x slower than float32, on CPUs without BF16 instructions; float64 and float32 run
-on 16x16 images, a quarter of CIFAR's compute. What they check does not depend on the image size (the CNN ends
-in a global average).
+autocast on float32 weights (precision.py's bf16) it runs the full windows with the broken plans too. Every
+precision runs on 8x8 images, a sixteenth of CIFAR's compute (BF16 is emulated, 13x slower than float32, on CPUs
+without BF16 instructions): what they check does not depend on the image size (the CNN ends in a global average).
 """
 
 import json
@@ -34,15 +33,15 @@ from ddp_no_sync_lab.strategies import fsdp
 from model import MEMORY_FORMAT, CifarCNN
 
 BATCH, ACCUM, SEED = 8, 4, 47
-BF16_IMAGE_SIZE, FLOAT_IMAGE_SIZE = 8, 16
+IMAGE_SIZE = 8
 CPU = torch.device("cpu")
 
 
-def dataset(micro_batches, world_size, dtype, image_size, short=0):
+def dataset(micro_batches, world_size, dtype, short=0):
     """micro_batches of BATCH images per rank; with `short` the last holds that many fewer."""
     generator = torch.Generator().manual_seed(0)
     count = (micro_batches * BATCH - short) * world_size
-    inputs = torch.randn(count, 3, image_size, image_size, generator=generator, dtype=dtype)
+    inputs = torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator, dtype=dtype)
     return TensorDataset(inputs, torch.randint(0, 10, (count,), generator=generator))
 
 
@@ -260,18 +259,18 @@ def main():
     bfloat16_autocast = partial(choose_precision("bf16", CPU).autocast, "cpu")  # as train.py --precision bf16
     cases = (("full_windows", 12, "error"), ("partial_window", 14, "scale"))
     precisions = (
-        ("float64", torch.float64, nullcontext, cases, FLOAT_IMAGE_SIZE),
-        ("float32", torch.float32, nullcontext, cases, FLOAT_IMAGE_SIZE),  # as train.py --precision fp32
-        ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1], BF16_IMAGE_SIZE),
+        ("float64", torch.float64, nullcontext, cases),
+        ("float32", torch.float32, nullcontext, cases),  # as train.py --precision fp32
+        ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1]),
     )
     results = {}
-    for name, dtype, autocast, precision_cases, image_size in precisions:
-        hook_data = dataset(1, world_size, dtype, image_size)
+    for name, dtype, autocast, precision_cases in precisions:
+        hook_data = dataset(1, world_size, dtype)
         results[name] = {
             "hook_max_difference": hook_keeps_ddp_averaging(initial_state, hook_data, rank, world_size, dtype)
         }
         for case, micro_batches, partial_window in precision_cases:
-            data = dataset(micro_batches, world_size, dtype, image_size)
+            data = dataset(micro_batches, world_size, dtype)
             plan = experiment.window_plan(micro_batches, ACCUM, partial_window)
             reference = reference_run(initial_state, data, world_size, dtype, "one_sum", autocast)
             with_broken = name != "float32"
@@ -293,7 +292,7 @@ def main():
     # FSDP (--strategy fsdp): both modes against the same reference; in float32 against DDP in the same mode, and
     # FSDP's own reduction (the lab's correction undone).
     for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
-        data = dataset(12, world_size, dtype, FLOAT_IMAGE_SIZE)
+        data = dataset(12, world_size, dtype)
         plan = experiment.window_plan(12, ACCUM, "error")
         reference = reference_run(initial_state, data, world_size, dtype, "one_sum", nullcontext)
         fsdp_records = {
@@ -312,7 +311,7 @@ def main():
             results[name]["fsdp"]["gloo_average"] = "mean" if output.item() == 1 else "sum"
     # A short last micro-batch (half a batch): train.py's per-sample divisors (experiment.sample_plan) against one
     # process taking the window's mean per sample; the document's divisors (the window's length) are off.
-    data = dataset(8, world_size, torch.float64, FLOAT_IMAGE_SIZE, short=BATCH // 2)
+    data = dataset(8, world_size, torch.float64, short=BATCH // 2)
     config = {"train_size": len(data), "world_size": world_size, "batch_size": BATCH, "accum_steps": ACCUM}
     plan = experiment.window_plan(8, ACCUM, "error")
     reference = reference_run(initial_state, data, world_size, torch.float64, "one_sum", nullcontext, per_sample=True)
