@@ -87,6 +87,14 @@ def test_a_plain_loop_clipped_between_sync_and_step_passes(plain_loop, variant, 
 
 
 @pytest.mark.torchrun
+def test_a_forward_over_more_samples_than_its_loss_is_seen_through_keywords(plain_loop):
+    """The forward's batch read from its keyword argument: twice the loss's samples at every micro-batch (item 3)."""
+    for rank in plain_loop["keywords_over_more"]["observed"]["ranks"]:
+        assert (rank["micro_batches"], rank["samples"], rank["step_samples"]) == (12, 96, [[32, 3]])
+        assert rank["loss_short_of_samples"] == list(range(12))
+
+
+@pytest.mark.torchrun
 def test_a_gradient_rescaled_by_hand_before_the_step_is_refused(plain_loop):
     # At each step: micro-batches 3, 7, 11 (a progression); no clip taken.
     assert observed_alike(plain_loop["rescaled"]) == ([[[3, 12, 4]]] * 2, [None, None])

@@ -51,7 +51,7 @@ class ChecklistTrace:
     """One rank's observations in one epoch (saved with a resumed epoch). Device tensors are read at its end."""
 
     micro_batches: int = 0  # training forwards seen
-    samples: int = 0  # samples through them
+    samples: int = 0  # samples through them (each forward's batch; its loss's targets where it shows none)
     backwards: int = 0  # backwards whose gradient reached the logits
     state_steps_before: int = 0  # the optimizer state's step counter when the epoch began
     steps_before_backward: list = field(default_factory=list)  # micro-batches whose forward a step followed
@@ -135,7 +135,7 @@ class Witness:
         self.clipped = None  # what a clip of them makes of the expectation, and its factor: held at the step alone
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
-        self.module.register_forward_pre_hook(self.on_forward)
+        self.module.register_forward_pre_hook(self.on_forward, with_kwargs=True)
         criterion.register_forward_hook(self.on_loss)
         if self.unsharded is None:
             self.hook(self.parameters)
@@ -189,16 +189,19 @@ class Witness:
     def training(self):
         return self.module.training and torch.is_grad_enabled()
 
-    def on_forward(self, module, inputs):
+    def on_forward(self, module, positional, keywords):
         if not self.training():
             return
         self.close_backward()
         held = held_bytes(self.parameters, self.projection.whole)  # between micro-batches: what the window keeps
         self.epoch_trace.held_bytes = [max(pair) for pair in zip(self.epoch_trace.held_bytes, held)]
         self.trace.micro_batches += 1
-        # The forward's batch where its first argument shows one (a model called with keywords alone shows none:
-        # its loss's then counts for it); the samples behind a step are counted at the loss (on_loss).
-        batch = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
+        # The forward's batch: its first tensor argument's leading dimension, positional or keyword (where none
+        # shows, its loss's targets count for it); the samples behind a step are counted at the loss (on_loss).
+        arguments = (*positional, *keywords.values())
+        tensors = (value for value in arguments if isinstance(value, torch.Tensor) and value.dim())
+        first = next(tensors, None)
+        batch = first.shape[0] if first is not None else None
         self.trace.samples += batch or 0
         self.forward_batch, self.awaiting_loss = batch, True  # the criterion's next call is on this forward's output
         self.window[FORWARDS] += 1

@@ -156,7 +156,8 @@ def check_rank(path, number, who, seen, row, config, plan):
 
 
 def check_examples(rank):
-    """2. Its micro-batches and examples, counted at the model's forward."""
+    """2. Its micro-batches and examples, counted at the model's forward (its batch; its loss's targets where the
+    forward's arguments show none)."""
     sizes = experiment.micro_batch_sizes(rank.config)
     for key, expected, what in (
         ("micro_batches", len(sizes), "micro-batches"),

@@ -13,7 +13,8 @@ returned, the syncs counted and every rank's observations.
     unused_parameter     find_unused_parameters=True with a layer the forward never uses, clipped where a
                          gradient is held
     split_api            torch's split clip: get_total_norm, then clip_grads_with_norm_
-    keywords             the model called with its input as a keyword (its samples counted at the loss)
+    keywords             the model called with its input as a keyword
+    keywords_over_more   the same, its forward over the batch twice, the loss over the first half of the logits
     rescaled             the synchronized gradient halved by hand before the step (no clip call): the loss divided
                          twice, made at the gradient
     clipped_inside       clip_grad_norm_ after every backward, the window's local gradients too
@@ -45,6 +46,7 @@ VARIANTS = (
     *DDP_SETTINGS,
     "split_api",
     "keywords",
+    "keywords_over_more",
     "rescaled",
     "clipped_inside",
     "every_clipped_each",
@@ -81,7 +83,10 @@ def run(variant, data, world_size):
     for index, (inputs, targets) in enumerate(DataLoader(data, batch_size=BATCH, sampler=sampler)):
         last = (index + 1) % ACCUM == 0
         with nullcontext() if last or variant in SYNC_EVERY_BACKWARD else ddp_model.no_sync():
-            logits = ddp_model(inputs=inputs) if variant == "keywords" else ddp_model(inputs)
+            if variant == "keywords_over_more":
+                logits = ddp_model(inputs=torch.cat([inputs, inputs]))[: len(targets)]
+            else:
+                logits = ddp_model(inputs=inputs) if variant == "keywords" else ddp_model(inputs)
             loss = criterion(logits, targets) / ACCUM
             loss.backward()
         if variant in ("clipped_inside", "every_clipped_each"):
