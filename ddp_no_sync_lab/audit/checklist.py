@@ -272,7 +272,7 @@ class Witness:
         if self.clippable and held and held <= clipped and torch.isfinite(factor):
             _, expected, bound, norm, so_far = self.clipped or (*self.expectation, 1.0)
             factor = factor.to(self.device, torch.float64)
-            rounding = norm * factor * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
+            rounding = self.float32_rounding(norm * factor)
             self.clipped = ("local", expected * factor, bound * factor + rounding, norm * factor, so_far * factor)
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
@@ -312,7 +312,7 @@ class Witness:
                 self.expectation = self.as_read(self.synced_read, sharded=False)
                 self.synced_read, self.clippable = None, True
         else:  # accumulated locally in float32: each element rounded once, |e| <= u |local|, projected
-            bound = local[1] * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
+            bound = self.float32_rounding(local[1])
             self.expectation = ("local", local[0], bound, local[1])
 
     def observe(self, point, index):
@@ -335,6 +335,11 @@ class Witness:
         self.trace.gradient_states.append(torch.stack([fresh, off]))
         self.expectation, self.clippable = self.as_read(now, sharded), False
         return now, sharded
+
+    def float32_rounding(self, norm):
+        """The projection's bound on gradients of 2-norm at most `norm` whose every element was rounded once in
+        float32 (|e| <= u |g|: accumulated, or scaled by a clip), with the float64 dot products' own rounding."""
+        return norm * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
 
     def as_read(self, now, sharded):
         """From here on the gradients must stay as read (only a reset or a backward may change them): the same
