@@ -14,6 +14,7 @@ nothing of the lab); tests/test_architecture.py checks it, docs/architecture.md 
     strategies/   the wrappers train_epoch drives and what the audit must know of each: DDP, FSDP2
     run/          a run's life: where it runs and the ranks' agreement, its rows and results, resume
     checks/       verify.py's judgement of a run folder: each checklist item, the strict audit, the run's facts
+    watch/        the checklist on a script the lab did not write: its witnesses through the audit's face, its verdict
 
 The audit observes beneath the strategies (they carry its instruments); verify.py's checks judge above them (they
 recompute each strategy's counts), so the two sit in separate folders.

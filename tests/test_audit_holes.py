@@ -4,6 +4,7 @@ such, the strict audit's data and learning checks, profiler labels counted once 
 dead NCCL peer bounded in time."""
 
 import json
+import re
 import shutil
 import time
 from datetime import timedelta
@@ -129,6 +130,7 @@ FAULTS = {
     "drift_ulp": ["LAB_TEST_DRIFT_AT_STEP=1:8", "LAB_TEST_DRIFT=ulp"],
     "lost_gradients": ["LAB_TEST_LOSE_GRADIENTS=1"],
     "same_shard": ["LAB_TEST_SAME_SHARD=1"],
+    "same_order": ["LAB_TEST_SAME_ORDER=1"],
     "nan": ["LAB_TEST_NAN_AT_STEP=*:2"],
 }
 
@@ -188,7 +190,7 @@ def test_ranks_that_read_the_same_samples_are_refused(lab_runs, faulty_runs, tmp
     epoch's shards can."""
     runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "same_shard", tmp_path)
     rows = read_json(runs / "every" / "history.json")
-    assert rows[0]["sample_shards"] == {"samples_per_rank": 80, "distinct_samples": 80, "split_size": 160}
+    assert shards_read(rows[0]) == {"samples_per_rank": 80, "distinct_samples": 80, "split_size": 160}
     assert rows[0]["steps_with_ranks_agreed"] == 5
     assert_one_line_error(
         verify(runs),
@@ -198,13 +200,40 @@ def test_ranks_that_read_the_same_samples_are_refused(lab_runs, faulty_runs, tmp
     )
 
 
-def test_the_shared_runs_record_disjoint_shards_and_steps_that_changed_the_weights(lab_runs):
+@pytest.mark.torchrun
+def test_epochs_that_read_one_order_are_refused(lab_runs, faulty_runs, tmp_path):
+    """The samplers' set_epoch does nothing beneath the lab (tests/inject): every epoch reads the first one's order,
+    in disjoint shards that cover the split; the order the loaders were handed gives it away."""
+    runs = beside_the_shared_no_sync(lab_runs, faulty_runs, "same_order", tmp_path)
+    rows = read_json(runs / "every" / "history.json")
+    assert [shards_read(row) for row in rows] == [
+        {"samples_per_rank": 80, "distinct_samples": 160, "split_size": 160}
+    ] * 2
+    assert rows[0]["sample_shards"]["order"] == rows[1]["sample_shards"]["order"]
+    assert_one_line_error(
+        verify(runs),
+        f"{runs}/every/history.json: epoch 2: the ranks read epoch 1's order of samples again (order "
+        f"{rows[0]['sample_shards']['order']}): the sampler's set_epoch did not take, and every epoch repeats one "
+        "order [checklist item 2: each rank: 20,000 examples, 400 micro-batches per epoch]",
+        code=1,
+    )
+
+
+def shards_read(row):
+    """An epoch row's shards as read, without the fingerprint of their order."""
+    return {key: value for key, value in row["sample_shards"].items() if key != "order"}
+
+
+def test_the_shared_runs_record_disjoint_shards_each_epoch_its_order_and_steps_that_changed_the_weights(lab_runs):
     artifacts, _ = lab_runs
     for mode in experiment.MODES:
-        for row in read_json(artifacts / mode / "history.json"):
-            assert row["sample_shards"] == {"samples_per_rank": 80, "distinct_samples": 160, "split_size": 160}
+        rows = read_json(artifacts / mode / "history.json")
+        for row in rows:
+            assert shards_read(row) == {"samples_per_rank": 80, "distinct_samples": 160, "split_size": 160}
+            assert re.fullmatch("[0-9a-f]{16}", row["sample_shards"]["order"])
             assert row["steps_that_changed_parameters"] == row["optimizer_steps"] == 5
             assert row["first_nonfinite_step"] is None
+        assert len({row["sample_shards"]["order"] for row in rows}) == len(rows)
 
 
 @pytest.mark.torchrun

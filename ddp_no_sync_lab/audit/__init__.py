@@ -3,6 +3,7 @@ checklist's witnesses, the clock and counts, the profiler. verify.py judges what
 
     tap           what a gradient hook hands to torch.distributed.all_reduce, read from the call
     clipping      which gradients clip_grad_norm_ scaled, and by what factor, read from the call
+    orders        the order each DistributedSampler handed its loader, read from the iteration
     memory        what a forward leaves held for its backward, what a rank holds between micro-batches
     scale         the loss's divisor read at each loss and fitted at the logits, their bounds, how it is recorded
     projection    the gradients' float64 projection: every gradient read at once, whole or as a rank's shard

@@ -83,6 +83,30 @@ LOCAL_F, LOCAL_NORM, SAMPLES, FORWARDS, SYNCS, SYNCED_F, TOKENS = range(7)
 SYNCED, MEAN, BOUND, STEP_SAMPLES, STEP_FORWARDS, STEP_TOKENS = range(6)
 
 
+class InertHook:
+    """What a copy of a watched module or parameter holds in a witness's hook's place: nothing to observe."""
+
+    def __call__(self, *_):
+        return None
+
+
+class HeldHook:
+    """A witness's hook as the model's module or parameter holds it. A copy of the model (an EMA's deepcopy,
+    torch.save of the whole module) gets an inert hook: the copy is not observed, and holds no process group."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, *event):
+        return self.call(*event)
+
+    def __deepcopy__(self, memo):
+        return InertHook()
+
+    def __reduce__(self):
+        return InertHook, ()
+
+
 class LossReading:
     """The loss as the loop used it: the criterion's value, the mean cross-entropy's computed alike, and the
     gradient that reached the value (1 / the divisor the loop applied)."""
@@ -91,12 +115,12 @@ class LossReading:
         self.counts_tokens = counts_tokens
         self.value = self.reference = self.gradient = None
 
-    def read(self, logits, targets, output):
+    def read(self, logits, targets, output, ignore_index=IGNORE_INDEX):
         self.value, self.gradient = output.detach().clone(), None
         if output.requires_grad and output.dim() == 0:
             with torch.no_grad():  # the mean cross-entropy's value as the criterion's would be, in its context
                 flat = (logits.flatten(0, -2), targets.flatten()) if self.counts_tokens else (logits, targets)
-                self.reference = CROSS_ENTROPY(*flat, ignore_index=IGNORE_INDEX)
+                self.reference = CROSS_ENTROPY(*flat, ignore_index=ignore_index)
             output.register_hook(partial(setattr, self, "gradient"))
 
     def divisor(self, world_size, tokens):
@@ -115,14 +139,24 @@ class LossReading:
 class Witness:
     """The checklist's witnesses on one rank, attached to the run's model, criterion, optimizer and audit: the
     events (forwards, losses, backwards, steps), what the gradients must hold between them, and each window's
-    average, from the gradients' projection and the loss's reading."""
+    average, from the gradients' projection and the loss's reading.
 
-    def __init__(self, ddp_model, optimizer, criterion, comm_audit, device):
+    Without an optimizer or a criterion (the watcher's, which meets them later), nothing is hooked on them: the
+    caller reports their events (on_step_begin, on_step_end, read_loss). The epoch's observations are gathered
+    over `exchange_group` (None: the default group)."""
+
+    def __init__(self, ddp_model, optimizer, criterion, comm_audit, device, exchange_group=None):
         self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
+        self.exchange_group = exchange_group
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         # FSDP's (strategies/fsdp.py): the unsharded parameters the forward computes with, hooked once FSDP made them.
         self.unsharded = getattr(ddp_model, "unsharded_parameters", None)
         self.projection = Projection(self.parameters, device, comm_audit.world_size)
+        # Gradients accumulate in their parameters' dtype: float32's rounding at the least (a model held in BF16
+        # rounds more).
+        self.gradient_unit = max(
+            UNIT_ROUNDOFF[torch.float32], *(UNIT_ROUNDOFF.get(p.dtype, 0) for p in self.parameters)
+        )
         self.counts_tokens = getattr(criterion, "counts_tokens", False)
         self.loss = LossReading(self.counts_tokens)
         self.trace, self.awaiting_loss, self.forward_batch = None, False, None
@@ -135,12 +169,14 @@ class Witness:
         self.clipped = None  # what a clip of them makes of the expectation, and its factor: held at the step alone
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
-        self.module.register_forward_pre_hook(self.on_forward, with_kwargs=True)
-        criterion.register_forward_hook(self.on_loss)
+        self.module.register_forward_pre_hook(HeldHook(self.on_forward), with_kwargs=True)
+        if criterion is not None:
+            criterion.register_forward_hook(self.on_loss)
         if self.unsharded is None:
             self.hook(self.parameters)
-        optimizer.register_step_pre_hook(self.on_step_begin)
-        optimizer.register_step_post_hook(self.on_step_end)
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self.on_step_begin)
+            optimizer.register_step_post_hook(self.on_step_end)
         if comm_audit.on_sync is not None:
             raise ValueError("this CommAudit is attached to a witness already: give each Audit its own CommAudit")
         comm_audit.on_sync = self.on_sync
@@ -148,7 +184,7 @@ class Witness:
 
     def hook(self, tensors):
         for index, tensor in enumerate(tensors):
-            tensor.register_hook(partial(self.on_parameter_gradient, index))
+            tensor.register_hook(HeldHook(partial(self.on_parameter_gradient, index)))
 
     # -- the epoch
 
@@ -162,7 +198,7 @@ class Witness:
 
     def state_steps(self):
         """The optimizer's own count of its updates (AdamW's state 'step'), 0 before the first."""
-        state = self.optimizer.state.get(self.parameters[0], {})
+        state = self.optimizer.state.get(self.parameters[0], {}) if self.optimizer is not None else {}
         return int(state["step"].item()) if "step" in state else 0
 
     def end_epoch(self):
@@ -173,9 +209,9 @@ class Witness:
             self.reduce_window()
         # A GPU by its own UUID (two ranks on one GPU share it, whatever their hosts are called).
         device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
-        mine = (PROCESS_ID, device, summarize(self.trace, self.state_steps()))
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)  # the default group (gloo): host objects
+        mine = (PROCESS_ID, device, self.summary())
+        gathered = [None] * dist.get_world_size(self.exchange_group)
+        dist.all_gather_object(gathered, mine, group=self.exchange_group)  # host objects (train.py's: default, gloo)
         # Every rank's observations; processes and devices counted, not named (a repeated run's row is the same).
         return {
             "processes": len({process for process, _, _ in gathered}),
@@ -183,6 +219,10 @@ class Witness:
             "device_type": self.device.type,
             "ranks": [observed for _, _, observed in gathered],
         }
+
+    def summary(self):
+        """This rank's observations of the epoch, for its row (one host read of what the device holds)."""
+        return summarize(self.trace, self.state_steps())
 
     # -- the events
 
@@ -207,23 +247,27 @@ class Witness:
         self.window[FORWARDS] += 1
 
     def on_loss(self, criterion, inputs, output):
-        logits, targets = inputs[0], inputs[1]
+        self.read_loss(inputs[0], inputs[1], output)
+
+    def read_loss(self, logits, targets, output, ignore_index=IGNORE_INDEX):
+        """A loss computed as the mean cross-entropy of `logits` against `targets` (or a multiple of it), its value
+        `output`: read where it is the first after a training forward and its gradient will reach the logits."""
         if self.awaiting_loss and self.training() and logits.requires_grad:
             if self.forward_batch is None:
                 self.trace.samples += targets.shape[0]
-            elif targets.shape[0] != self.forward_batch:  # a loss over part of the forward's batch
+            elif targets.shape[0] < self.forward_batch:  # a loss over part of the forward's batch
                 self.trace.loss_short.append(self.trace.micro_batches - 1)
             self.awaiting_loss = False
             self.window[SAMPLES] += targets.shape[0]
             # What the loop divides the loss's value by, exactly: the gradient that reaches it is 1 / divisor.
-            self.loss.read(logits, targets, output)
+            self.loss.read(logits, targets, output, ignore_index)
             if self.counts_tokens:  # the targets that count, as the loss took them
                 tokens = targets.ne(IGNORE_INDEX).sum()
                 self.trace.micro_batch_tokens.append(tokens)
                 self.window[TOKENS] += tokens
-            logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach()))
+            logits.register_hook(partial(self.on_logits_gradient, logits.detach(), targets.detach(), ignore_index))
 
-    def on_logits_gradient(self, logits, targets, gradient):
+    def on_logits_gradient(self, logits, targets, ignore_index, gradient):
         """The backward's first event in the model: read the gradients' state, and the loss scale (loss_scale: the
         divisor read at the loss, and the gradient at the logits against the mean cross-entropy's, recomputed)."""
         index = self.trace.micro_batches - 1
@@ -237,7 +281,7 @@ class Witness:
         world_size = self.comm_audit.world_size
         token_scale, tokens = (world_size, self.trace.micro_batch_tokens[-1]) if self.counts_tokens else (None, None)
         read = self.loss.divisor(world_size, tokens)
-        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, read))
+        self.trace.loss_scales.append(loss_scale(logits, targets, gradient, token_scale, read, ignore_index))
         self.projection.begin_own()
         self.pending = (index, before, self.comm_audit.gradient_syncs)
 
@@ -272,7 +316,7 @@ class Witness:
         if self.clippable and held and held <= clipped and torch.isfinite(factor):
             _, expected, bound, norm, so_far = self.clipped or (*self.expectation, 1.0)
             factor = factor.to(self.device, torch.float64)
-            rounding = self.float32_rounding(norm * factor)
+            rounding = self.gradient_rounding(norm * factor)
             self.clipped = ("local", expected * factor, bound * factor + rounding, norm * factor, so_far * factor)
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
@@ -311,8 +355,8 @@ class Witness:
             if self.synced_read is not None:  # read as the backward ended: from here on it must stay as read
                 self.expectation = self.as_read(self.synced_read, sharded=False)
                 self.synced_read, self.clippable = None, True
-        else:  # accumulated locally in float32: each element rounded once, |e| <= u |local|, projected
-            bound = self.float32_rounding(local[1])
+        else:  # accumulated locally in the gradients' dtype: each element rounded once, |e| <= u |local|, projected
+            bound = self.gradient_rounding(local[1])
             self.expectation = ("local", local[0], bound, local[1])
 
     def observe(self, point, index):
@@ -336,10 +380,10 @@ class Witness:
         self.expectation, self.clippable = self.as_read(now, sharded), False
         return now, sharded
 
-    def float32_rounding(self, norm):
-        """The projection's bound on gradients of 2-norm at most `norm` whose every element was rounded once in
-        float32 (|e| <= u |g|: accumulated, or scaled by a clip), with the float64 dot products' own rounding."""
-        return norm * (SIGMAS * UNIT_ROUNDOFF[torch.float32] + 3 * self.projection.dot_slack)
+    def gradient_rounding(self, norm):
+        """The projection's bound on gradients of 2-norm at most `norm` whose every element was rounded once in the
+        gradients' dtype (|e| <= u |g|: accumulated, or scaled by a clip), with the float64 dot products' own rounding."""
+        return norm * (SIGMAS * self.gradient_unit + 3 * self.projection.dot_slack)
 
     def as_read(self, now, sharded):
         """From here on the gradients must stay as read (only a reset or a backward may change them): the same

@@ -33,6 +33,7 @@ from ddp_no_sync_lab.audit.instruments import (
     shard_coverage,
 )
 from ddp_no_sync_lab.audit.memory import saved_activations
+from ddp_no_sync_lab.audit.orders import ORDERS
 from ddp_no_sync_lab.audit.profiler import MICRO_BATCH_LABEL, RANK_AGREEMENT_LABEL, WindowProfiler, check_profile
 from ddp_no_sync_lab.audit.tap import TAP
 
@@ -45,6 +46,8 @@ __all__ = [
     "CommAudit",
     "CollectiveClock",
     "EpochTrace",
+    # the witnesses themselves: a loop met piece by piece (the watcher's) extends them, reporting the events
+    "Witness",
     # the instruments a loop also calls: the ranks' step fingerprints, the clock, the samples read, the teardown
     "before_step",
     "ranks_agree",
@@ -65,10 +68,12 @@ __all__ = [
 
 def install():
     """The process-wide witnesses, installed once (a second call changes nothing): the tap on
-    torch.distributed.all_reduce (the bytes a hook hands to the collective) and on clip_grad_norm_. Installed
-    before anything else wraps those, they sit beneath every later wrapper."""
+    torch.distributed.all_reduce (the bytes a hook hands to the collective), on clip_grad_norm_, and on
+    DistributedSampler's iteration (the order each epoch was handed). Installed before anything else wraps those,
+    they sit beneath every later wrapper."""
     TAP.install()
     CLIPS.install()
+    ORDERS.install()
 
 
 def counting(hook):

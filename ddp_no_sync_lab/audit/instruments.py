@@ -4,6 +4,7 @@ counting hook itself is in train.py, where the lesson is; DDP's own collectives 
 strategies/ddp.py's AuditedDDP."""
 
 import functools
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddp_no_sync_lab.audit.checklist import ChecklistTrace
 from ddp_no_sync_lab.audit.memory import local
+from ddp_no_sync_lab.audit.orders import ORDERS
 from ddp_no_sync_lab.experiment import COUNTS
 
 
@@ -301,12 +303,19 @@ class EpochTrace:
 
 
 def shard_coverage(sampler, split_size):
-    """Which samples the ranks read this epoch, gathered from every rank over the default group (CPU): how many
-    each read, how many distinct ones all read together, of how many in the split. Disjoint shards that cover
-    the split read split_size distinct samples (DistributedSampler pads with repeats to equal shards)."""
-    indices = torch.tensor(list(sampler), dtype=torch.int64)
+    """Which samples the ranks read this epoch, as their samplers handed them to the loaders (audit/orders.py),
+    gathered from every rank over the default group (CPU): how many each read, how many distinct ones all read
+    together, of how many in the split, and the epoch's order over the ranks as a fingerprint (an epoch that read
+    an earlier one's order shows its fingerprint again). Disjoint shards that cover the split read split_size
+    distinct samples (DistributedSampler pads with repeats to equal shards)."""
+    indices = torch.tensor(ORDERS.delivered(sampler), dtype=torch.int64)
     gathered = [torch.empty_like(indices) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, indices)
     read = torch.cat(gathered)
     inside = read[(read >= 0) & (read < split_size)]
-    return {"samples_per_rank": indices.numel(), "distinct_samples": inside.unique().numel(), "split_size": split_size}
+    return {
+        "samples_per_rank": indices.numel(),
+        "distinct_samples": inside.unique().numel(),
+        "split_size": split_size,
+        "order": hashlib.sha256(read.numpy().tobytes()).hexdigest()[:16],
+    }

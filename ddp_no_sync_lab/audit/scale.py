@@ -31,15 +31,15 @@ def loss_scale_bounds(gradient_dtype):
 CROSS_ENTROPY = F.cross_entropy  # taken at import: what the run's own code may wrap later is not the reference
 
 
-def loss_scale(logits, targets, gradient, token_scale=None, read=None):
+def loss_scale(logits, targets, gradient, token_scale=None, read=None, ignore_index=IGNORE_INDEX):
     """[divisor fitted, residual, divisor read]. Fitted: the gradient at the logits as the mean cross-entropy's,
     recomputed by torch's kernels on the same float32 logits, over the divisor; the residual relative to it. Read:
-    given (checklist.LossReading.divisor), else NaN. Text: the reference is token_scale x the token loss's sum, and
+    given (checklist.LossReading.divisor), else NaN; targets equal to `ignore_index` count for nothing. Text: the reference is token_scale x the token loss's sum, and
     the residual takes the divisor read."""
     with torch.enable_grad(), torch.autocast(logits.device.type, enabled=False):
         leaf = logits.detach().float().requires_grad_()
         if token_scale is None:
-            reference = CROSS_ENTROPY(leaf, targets)
+            reference = CROSS_ENTROPY(leaf, targets, ignore_index=ignore_index)
         else:  # the summed token loss: the text task's divisor is then the window's tokens
             summed = CROSS_ENTROPY(leaf.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
             reference = token_scale * summed

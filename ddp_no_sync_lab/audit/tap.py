@@ -23,8 +23,8 @@ class CollectiveTap:
             self.original = dist.all_reduce
 
             def all_reduce(tensor, *args, **kwargs):
-                if getattr(self.local, "handed", None) is not None:
-                    self.local.handed.append((tensor.dtype, tensor.numel()))
+                for handed in getattr(self.local, "open", ()):
+                    handed.append((tensor.dtype, tensor.numel()))
                 return self.original(tensor, *args, **kwargs)
 
             dist.all_reduce = all_reduce
@@ -32,12 +32,14 @@ class CollectiveTap:
 
     @contextmanager
     def handed(self):
-        """Yields the list the block's all_reduce calls on this thread append (dtype, element count) to."""
-        self.local.handed = []
+        """Yields the list the block's all_reduce calls on this thread append (dtype, element count) to; nested
+        blocks (a counted hook inside another's, the watcher's around a script's) each see every call."""
+        handed = []
+        self.local.open = (*getattr(self.local, "open", ()), handed)
         try:
-            yield self.local.handed
+            yield handed
         finally:
-            self.local.handed = None
+            self.local.open = tuple(other for other in self.local.open if other is not handed)
 
 
 TAP = CollectiveTap()  # the process's one tap; nothing is wrapped until TAP.install()

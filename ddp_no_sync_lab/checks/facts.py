@@ -133,6 +133,7 @@ def check_history(path, mode, record, expected_config, sizes):
         raise AuditError(f"{path}: expected {expected_config['epochs']} epochs, got {len(history)}")
     plan = experiment.epoch_plan(expected_config)
     starts = resume.wrapper_starts(path, history, len(plan))
+    orders = {}  # each epoch's order of samples (its fingerprint): the epoch that read it
     for number, row in enumerate(history, start=1):
         check_finite(path, number, row)
         for key in ROW_INTEGERS:
@@ -158,7 +159,7 @@ def check_history(path, mode, record, expected_config, sizes):
         if not steps_in_place:
             check_counts(path, number, row, {"optimizer_steps": expected.pop("optimizer_steps")}, mode)
         check_steps(path, number, row, record["config"].get("strategy") == "fsdp")
-        check_shards(path, number, row, record["config"])
+        check_shards(path, number, row, record["config"], orders)
         check_counts(path, number, row, expected, mode)
         observed = {**record["config"], **expected_config}
         certify.check_epoch(path, number, row, observed, mode, plan)
@@ -251,18 +252,28 @@ def check_steps(path, number, row, sharded=False):
     )
 
 
-def check_shards(path, number, row, config):
+def check_shards(path, number, row, config, orders):
     """The ranks read disjoint shards that cover the train split: DistributedSampler gives each rank
-    ceil(split / world size) samples, the padding repeats, and all together read every sample once."""
+    ceil(split / world size) samples, the padding repeats, and all together read every sample once; and each
+    epoch in an order of its own (`orders`: the earlier epochs' order fingerprints, this one's added)."""
     shards, split, world_size = row.get("sample_shards"), config["train_size"], config["world_size"]
     check(
         isinstance(shards, dict)
-        and all(is_int(shards.get(key)) for key in ("samples_per_rank", "distinct_samples", "split_size")),
+        and all(is_int(shards.get(key)) for key in ("samples_per_rank", "distinct_samples", "split_size"))
+        and isinstance(shards.get("order"), str),
         path,
-        f"epoch row {number}: sample_shards must hold samples_per_rank, distinct_samples and split_size, got {shards!r}",
+        f"epoch row {number}: sample_shards must hold samples_per_rank, distinct_samples, split_size and order, "
+        f"got {shards!r}",
     )
+    if shards["order"] in orders:
+        raise AuditError(
+            f"{path}: epoch {number}: the ranks read epoch {orders[shards['order']]}'s order of samples again (order "
+            f"{shards['order']}): the sampler's set_epoch did not take, and every epoch repeats one order"
+            f"{certify.item(2)}"
+        )
+    orders[shards["order"]] = number
     expected = {"samples_per_rank": math.ceil(split / world_size), "distinct_samples": split, "split_size": split}
-    if shards != expected:
+    if {key: shards[key] for key in expected} != expected:
         raise AuditError(
             f"{path}: epoch {number}: the {world_size} ranks read {shards['samples_per_rank']} samples each, "
             f"{shards['distinct_samples']} distinct of the {split} in the train split (expected "

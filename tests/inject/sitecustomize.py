@@ -26,6 +26,7 @@ LAB_TEST_NAN_AT_STEP ("<rank>:<step>", rank * for all): a NaN in one gradient ju
   step writes into the parameters.
 LAB_TEST_SAME_SHARD=1: every rank's DistributedSampler reads rank 0's shard (a sampler set up without the
   rank): the gradients still agree after the all-reduce.
+LAB_TEST_SAME_ORDER=1: every DistributedSampler's set_epoch does nothing: each epoch reads the first one's order.
 LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads can at exit (in the job's
   first start only: a restart closes them).
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
@@ -303,6 +304,11 @@ def inject(variables):
             self.rank = 0  # every rank reads rank 0's samples
 
         patch(DistributedSampler, "__init__", rank_0s_shard)
+
+    if variables.get("LAB_TEST_SAME_ORDER"):
+        from torch.utils.data.distributed import DistributedSampler
+
+        patch(DistributedSampler, "set_epoch", lambda self, epoch: None)
 
     if variables.get("LAB_TEST_HANG_IN_TEARDOWN") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         import time

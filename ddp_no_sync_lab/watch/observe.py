@@ -1,0 +1,360 @@
+"""What the watcher puts into a script's process before its first line, through the audit's face: a witness on
+every DDP model the script makes, fed by the optimizers' step hooks (every optimizer's), by torch's cross-entropy
+(called as a function or through its module), by its DataLoaders' passes over a DistributedSampler; and the
+exchange of every rank's observations before the script tears its process group down.
+
+Nothing here changes what the script computes: the watcher's own collectives run on a group of its own, made where
+every rank passes (the first DDP construction), and a hook the script registers on its DDP model runs inside the
+watcher's counting one, as DDP runs it without the watcher.
+"""
+
+import functools
+import inspect
+import sys
+import time
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader
+from torch.utils.data import dataloader as loader_module
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_no_sync_lab.audit import face
+
+# The longest a rank waits for the others in the watcher's own collectives (a window's average, the exchange at
+# exit): longer than a rank's last evaluation or save before its teardown; ranks stopped apart end, never hang.
+EXCHANGE_TIMEOUT = timedelta(minutes=30)
+# A forward's inputs fingerprinted: their float64 sum and a weighted sum of at most PRINT_SAMPLE of them, at a fixed
+# stride on fixed weights: two ranks that read the same samples give equal prints, at a fixed cost per forward.
+PRINT_SAMPLE, PRINT_WEIGHTS_SEED = 4096, 20_241
+
+
+@functools.cache
+def print_weights(count, device):
+    generator = torch.Generator().manual_seed(PRINT_WEIGHTS_SEED)
+    return torch.rand(count, generator=generator, dtype=torch.float64).to(device)
+
+
+def inputs_print(tensor):
+    """[sum, weighted sum of a strided sample] of a forward's input in float64, on its device."""
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // PRINT_SAMPLE)][:PRINT_SAMPLE].double()
+    return torch.stack([flat.sum(dtype=torch.float64), sample @ print_weights(sample.numel(), sample.device)])
+
+
+class HookSlot:
+    """The gradient hook the watcher's counting hook runs: DDP's own all-reduce until the script registers one."""
+
+    def __init__(self, ddp_model):
+        self.hook, self.state = default_hooks.allreduce_hook, ddp_model.process_group
+        self.registered = False
+
+    def run(self, _, bucket):
+        return self.hook(self.state, bucket)
+
+
+SLOTS = weakref.WeakKeyDictionary()  # each adopted DDP model's hook slot
+DDP_REGISTER_COMM_HOOK = DistributedDataParallel.register_comm_hook  # DDP's own, beneath the watcher's patch
+
+
+class LoopWitness(face.Witness):
+    """The checklist's witnesses on one DDP model of a script the lab did not write, and what the watcher infers
+    its windows and divisors from: DDP's sync flag at each training forward and backward, each loss's items (the
+    targets it averages), each forward's inputs' fingerprint, the DataLoader passes its batches came from."""
+
+    def __init__(self, ddp_model, watch, comm_audit, device):
+        super().__init__(ddp_model, None, None, comm_audit, device, watch.group)
+        self.ddp_model, self.watch = ddp_model, watch
+        self.flags_at_forward, self.flags_at_backward = [], []
+        self.losses_read = {}  # micro-batch: the items its loss averaged (on the device)
+        self.input_prints = []  # per training forward, on the device
+        self.unreadable_losses = 0  # cross-entropies read as no plain mean (weights, smoothing, probabilities)
+        self.last_step = None  # (forwards seen, optimizer) at the last step taken: a second optimizer's joins it
+
+    def on_forward(self, module, positional, keywords):
+        if self.training():
+            self.flags_at_forward.append(bool(self.ddp_model.require_backward_grad_sync))
+            arguments = (*positional, *keywords.values())
+            first = next((value for value in arguments if isinstance(value, torch.Tensor) and value.dim()), None)
+            if first is not None:
+                self.input_prints.append(inputs_print(first))
+            if self.watch.current_pass is not None:
+                self.watch.trained_passes.add(self.watch.current_pass)
+        super().on_forward(module, positional, keywords)
+
+    def read_loss(self, logits, targets, output, ignore_index=-100):
+        if self.awaiting_loss and self.training() and logits.requires_grad:
+            self.losses_read[self.trace.micro_batches - 1] = targets.ne(ignore_index).sum()
+        super().read_loss(logits, targets, output, ignore_index)
+
+    def skip_loss(self):
+        """A loss after a training forward that the witnesses cannot read as a mean cross-entropy."""
+        if self.awaiting_loss and self.training():
+            self.unreadable_losses += 1
+            self.awaiting_loss = False
+
+    def on_logits_gradient(self, logits, targets, ignore_index, gradient):
+        self.flags_at_backward.append(bool(self.ddp_model.require_backward_grad_sync))
+        super().on_logits_gradient(logits, targets, ignore_index, gradient)
+
+    def bind(self, optimizer):
+        """The first optimizer seen stepping this model's parameters: its own update count from here on."""
+        self.optimizer = optimizer
+        self.trace.state_steps_before = self.state_steps()
+
+    def joins_last_step(self, optimizer):
+        """A second optimizer stepping with no forward since another's step (parts of one model, each its own
+        optimizer): the same window's end."""
+        last = self.last_step
+        return last is not None and last[0] == self.trace.micro_batches and last[1] is not optimizer
+
+    def on_step_end(self, optimizer, step_args, step_kwargs):
+        """The step follows the last backward (a forward of no loss read since, a logging one, is the next
+        window's); it came between a forward and its backward where that forward's loss was read but not yet
+        backpropagated."""
+        forward, backwards = self.trace.micro_batches - 1, self.trace.loss_positions
+        if forward in self.losses_read and (not backwards or backwards[-1] != forward):
+            self.trace.steps_before_backward.append(forward)
+        self.epoch_trace.step_positions.append(backwards[-1] if backwards else forward)
+        self.last_step = (self.trace.micro_batches, optimizer)
+
+    def summary(self):
+        observed = super().summary()
+        reads = [scale[2] for scale in torch.stack(self.trace.loss_scales).tolist()] if self.trace.loss_scales else []
+        read = self.losses_read
+        items = dict(zip(read, torch.stack(list(read.values())).tolist())) if read else {}
+        slot = SLOTS[self.ddp_model]
+        return {
+            **observed,
+            "losses": [[index, value, items.get(index)] for index, value in zip(self.trace.loss_positions, reads)],
+            "unreadable_losses": self.unreadable_losses,
+            "flags_at_forward": self.flags_at_forward,
+            "flags_at_backward": self.flags_at_backward,
+            "sync_positions": self.epoch_trace.sync_positions,
+            "step_positions": self.epoch_trace.step_positions,
+            "input_prints": torch.stack(self.input_prints).tolist() if self.input_prints else [],
+            "bytes_handed": self.comm_audit.allreduce_bytes,
+            "syncs": self.comm_audit.gradient_syncs,
+            "optimizer_counts_steps": self.optimizer is not None
+            and "step" in self.optimizer.state.get(self.parameters[0], {}),
+            "script_hook": getattr(slot.hook, "__name__", "?") if slot.registered else None,
+        }
+
+
+class Watch:
+    """A script's watcher: adopts each DDP model as the script makes it, and at the script's teardown exchanges
+    every rank's observations (close). The process-wide patches (installed once) report to the watch installed
+    last."""
+
+    active = None  # the watch the patches report to
+    patched = False
+
+    def __init__(self):
+        self.witnesses = []
+        self.declined = []  # DDP models not watched, and why
+        self.group = None  # the watcher's own process group
+        self.sampler_passes = []  # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order]
+        self.samplers = weakref.WeakKeyDictionary()
+        self.current_pass = None  # the pass whose batch the script took last
+        self.trained_passes = set()  # passes a training forward followed a batch of
+        self.of_optimizer = weakref.WeakKeyDictionary()
+        self.step_depth = 0  # optimizers' steps under way (a wrapper's step runs its inner optimizer's)
+        self.joined = set()  # witnesses whose current step joins another optimizer's
+        self.observed = None  # every rank's observations, once exchanged
+
+    def install(self):
+        """This watch the one the process's events go to, the patches put in on the first install."""
+        face.install()
+        Watch.active = self
+        if not Watch.patched:
+            patch_process()
+            Watch.patched = True
+
+    def adopt(self, ddp_model):
+        """A DDP model the script made (a collective: every rank makes it): counted and witnessed."""
+        if dist.get_world_size(ddp_model.process_group) != dist.get_world_size():
+            self.declined.append(
+                "a DDP model over a subgroup of the ranks (not watched: the watcher's exchange spans all)"
+            )
+            return
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
+        device = next(ddp_model.module.parameters()).device
+        comm_audit = face.CommAudit(dist.get_world_size(), group=self.group)
+        slot = SLOTS[ddp_model] = HookSlot(ddp_model)
+        DDP_REGISTER_COMM_HOOK(ddp_model, (comm_audit, None), face.counting(slot.run))
+        ddp_model._comm_hooks.clear()  # the script reads DDP's record of its hooks: its own only
+        witness = LoopWitness(ddp_model, self, comm_audit, device)
+        witness.begin_epoch(face.EpochTrace())
+        self.witnesses.append(witness)
+
+    # -- the events
+
+    def witnesses_of(self, optimizer):
+        """The witnesses whose model the optimizer updates (looked up once per optimizer)."""
+        if optimizer not in self.of_optimizer:
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            self.of_optimizer[optimizer] = [w for w in self.witnesses if stepped & {id(p) for p in w.parameters}]
+        return self.of_optimizer[optimizer]
+
+    def on_step_begin(self, optimizer, step_args, step_kwargs):
+        self.step_depth += 1
+        if self.step_depth > 1:  # an inner optimizer's step inside a wrapper's: one step
+            return
+        for witness in self.witnesses_of(optimizer):
+            if witness.joins_last_step(optimizer):
+                self.joined.add(witness)
+                continue
+            if witness.optimizer is None:
+                witness.bind(optimizer)
+            witness.on_step_begin(optimizer, step_args, step_kwargs)
+
+    def on_step_end(self, optimizer, step_args, step_kwargs):
+        self.step_depth -= 1
+        if self.step_depth > 0:
+            return
+        for witness in self.witnesses_of(optimizer):
+            if witness in self.joined:
+                self.joined.discard(witness)
+                continue
+            witness.on_step_end(optimizer, step_args, step_kwargs)
+
+    def on_loss(self, call, output):
+        """A cross-entropy the script computed: read as a mean (or a sum) over its targets but those ignored, where
+        it is one; a loss weighted, smoothed or over probabilities is not read (item 4 then rests on the rest)."""
+        call.apply_defaults()
+        given = call.arguments
+        plain = (
+            not given["target"].is_floating_point()
+            and given["weight"] is None
+            and given["label_smoothing"] == 0.0
+            and given["size_average"] is None
+            and given["reduce"] is None
+            and given["reduction"] in ("mean", "sum")
+        )
+        for witness in self.witnesses:
+            if plain:
+                witness.read_loss(given["input"], given["target"], output, given["ignore_index"])
+            else:
+                witness.skip_loss()
+
+    def on_sampler_pass(self, sampler):
+        """A DataLoader began a pass over a DistributedSampler: its number, its epoch, the order it will deliver."""
+        number = self.samplers.setdefault(sampler, len(self.samplers))
+        self.sampler_passes.append([number, sampler.epoch, sampler.shuffle, hash(tuple(iter(sampler)))])
+        return len(self.sampler_passes) - 1
+
+    # -- the exchange
+
+    def close(self):
+        """Every rank's observations exchanged over the watcher's group (once, before the script's teardown), then
+        the hooks' callbacks let finish (face.settle's reason: gloo's threads need the GIL at exit)."""
+        if self.observed is not None or not dist.is_initialized():
+            return
+        models = [witness.end_epoch() for witness in self.witnesses]
+        passes = [[*record, number in self.trained_passes] for number, record in enumerate(self.sampler_passes)]
+        mine = {"sampler_passes": passes, "declined": self.declined}
+        group = self.group if self.group is not None else dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        self.observed = {
+            "world_size": dist.get_world_size(),
+            "backend": str(dist.get_backend()),
+            "models": models,
+            "ranks": gathered,
+        }
+        dist.barrier(group=group)
+        time.sleep(0.1)
+
+
+def patch_process():
+    """The watcher's taps, once per process, each reporting to Watch.active: DDP's constructor and its hook
+    registration, every optimizer's step (torch's global step hooks), torch's cross_entropy (a module's call
+    reaches it too), a DataLoader's pass over a DistributedSampler and each batch it hands over, and the default
+    group's teardown (the exchange first)."""
+    ddp_init = DistributedDataParallel.__init__
+
+    @functools.wraps(ddp_init)
+    def __init__(ddp_model, *args, **kwargs):
+        ddp_init(ddp_model, *args, **kwargs)
+        Watch.active.adopt(ddp_model)
+
+    @functools.wraps(DDP_REGISTER_COMM_HOOK)
+    def watched_register_comm_hook(ddp_model, state, hook):
+        slot = SLOTS.get(ddp_model)
+        if slot is None:
+            return DDP_REGISTER_COMM_HOOK(ddp_model, state, hook)
+        ddp_model._check_comm_hook(hook)  # checked as DDP checks it, then run inside the watcher's count
+        if slot.registered:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        slot.hook, slot.state, slot.registered = hook, state, True
+        ddp_model._comm_hooks.append((hook, state))  # DDP's record of its hooks: the script's, as without us
+
+    builtin = DistributedDataParallel._register_builtin_comm_hook
+
+    @functools.wraps(builtin)
+    def watched_builtin_comm_hook(ddp_model, comm_hook_type):
+        if ddp_model in SLOTS:
+            raise RuntimeError(
+                f"ddp_no_sync_lab.watch: DDP's C++ built-in hook {comm_hook_type} cannot run inside the watcher's "
+                f"count: register its Python twin instead (torch.distributed.algorithms.ddp_comm_hooks.default_hooks)"
+            )
+        return builtin(ddp_model, comm_hook_type)
+
+    DistributedDataParallel.__init__ = __init__
+    DistributedDataParallel.register_comm_hook = watched_register_comm_hook
+    DistributedDataParallel._register_builtin_comm_hook = watched_builtin_comm_hook
+    register_optimizer_step_pre_hook(lambda *event: Watch.active.on_step_begin(*event))
+    register_optimizer_step_post_hook(lambda *event: Watch.active.on_step_end(*event))
+    cross_entropy = F.cross_entropy
+    signature = inspect.signature(cross_entropy)
+
+    @functools.wraps(cross_entropy)
+    def watched_cross_entropy(*args, **kwargs):
+        output = cross_entropy(*args, **kwargs)
+        Watch.active.on_loss(signature.bind(*args, **kwargs), output)
+        return output
+
+    F.cross_entropy = watched_cross_entropy
+    patch_loaders()
+    destroy = dist.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        # The exchange on the script's way out, not on its way down: an exception being handled means it failed.
+        if (group is None or group is dist.GroupMember.WORLD) and sys.exc_info()[0] is None:
+            Watch.active.close()
+        destroy(group)
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def patch_loaders():
+    """A DataLoader's pass over a DistributedSampler recorded as it begins, and each batch it hands over marked
+    with its pass (torch's loader iterators share their base class's __next__)."""
+    loader_iter, next_batch = DataLoader.__iter__, loader_module._BaseDataLoaderIter.__next__
+
+    @functools.wraps(loader_iter)
+    def __iter__(loader):
+        iterator = loader_iter(loader)
+        sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+        sampler = sampler or getattr(loader.batch_sampler, "sampler", None)
+        iterator.watched_pass = (
+            Watch.active.on_sampler_pass(sampler) if isinstance(sampler, DistributedSampler) else None
+        )
+        return iterator
+
+    @functools.wraps(next_batch)
+    def __next__(iterator):
+        batch = next_batch(iterator)
+        Watch.active.current_pass = getattr(iterator, "watched_pass", None)
+        return batch
+
+    DataLoader.__iter__ = __iter__
+    loader_module._BaseDataLoaderIter.__next__ = __next__

@@ -1,0 +1,429 @@
+"""The document's checklist judged on a script the lab did not write, from what its ranks' witnesses saw
+(watch/observe.py): the windows are inferred from the optimizer's steps, the syncs from DDP's hook, the divisors
+from the losses, never from a configuration. Each item is judged on its own; the first refusal, in the order a
+cause shows before its effects (the processes, the samples, the steps, the resets, the syncs, the divisors), is
+the one named.
+"""
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ddp_no_sync_lab.audit.scale import loss_scale_bounds
+from ddp_no_sync_lab.experiment import from_progressions
+from ddp_no_sync_lab.watch.report import FAIL, PASS, UNSEEN, Finding, Verdict, human_bytes
+
+READ_AT_THE_LOSS = (3, 4, 5, 6, 7, 9)  # items whose witnesses begin at a backward seen from the loss it reads
+WEIGHT_TOLERANCE = 1e-4  # a window's weights are float32 values read back: far finer than any divisor's error
+
+
+class Refusal(Exception):
+    """One item broken: where (rank, window, micro-batch) and what was seen against what was expected."""
+
+
+@dataclass
+class RankLoop:
+    """One rank's loop as its witnesses saw it: its windows (micro-batches between steps), syncs and losses."""
+
+    rank: int
+    seen: dict
+
+    def __post_init__(self):
+        self.windows, start = [], 0
+        for position in self.seen["step_positions"]:
+            self.windows.append(list(range(start, position + 1)))
+            start = position + 1
+        self.trailing = list(range(start, self.seen["micro_batches"]))
+        if self.seen["losses"]:  # where losses were read, a window is its backwards (a logging forward is none)
+            backwards = {index for index, _, _ in self.seen["losses"]}
+            self.windows = [[index for index in window if index in backwards] for window in self.windows]
+            self.trailing = [index for index in self.trailing if index in backwards]
+        self.syncs = set(self.seen["sync_positions"])
+        self.flags_at_forward = self.seen["flags_at_forward"]
+        self.flags_at_backward = dict(
+            zip([index for index, _, _ in self.seen["losses"]], self.seen["flags_at_backward"])
+        )
+        self.losses = {index: (read, items) for index, read, items in self.seen["losses"]}
+
+    def where(self, micro_batch):
+        """'rank r, window w, micro-batch m of n' (1-based) for a micro-batch of this rank."""
+        for number, window in enumerate(self.windows, 1):
+            if micro_batch in window:
+                return (
+                    f"rank {self.rank}, window {number}, micro-batch {window.index(micro_batch) + 1} of {len(window)}"
+                )
+        position = f"micro-batch {micro_batch - self.trailing[0] + 1}" if micro_batch in self.trailing else ""
+        return f"rank {self.rank}, after the last step, {position}".rstrip(", ")
+
+    def refuse(self, micro_batch, message):
+        raise Refusal(f"{self.where(micro_batch)}: {message}")
+
+
+def judge(observed):
+    """The verdict on what the watcher exchanged at the script's teardown (observe.Watch.close)."""
+    verdict = Verdict()
+    models = observed["models"]
+    verdict.notes += observed["ranks"][0]["declined"]
+    if not models:
+        verdict.nothing = "the script made no DistributedDataParallel model the watcher could watch"
+        return verdict
+    if len(models) > 1:
+        verdict.notes.append(f"{len(models)} DDP models were made: the first is judged here")
+    model = models[0]
+    loops = [RankLoop(rank, seen) for rank, seen in enumerate(model["ranks"])]
+    if not any(loop.windows for loop in loops):
+        verdict.nothing = "no optimizer step on the DDP model's parameters was seen: nothing was trained"
+        return verdict
+    world_size = observed["world_size"]
+    context = Context(observed, model, loops, world_size)
+    unread = context.losses_unread()
+    unjudged = []
+    for number, judge_item in ITEM_JUDGES.items():
+        if unread is not None and number in READ_AT_THE_LOSS:
+            verdict.findings[number] = Finding(UNSEEN, unread)
+            continue
+        try:
+            mark, seen = judge_item(context)
+            verdict.findings[number] = Finding(mark, seen)
+        except Refusal as refusal:
+            verdict.findings[number] = Finding(FAIL, str(refusal).split(": ", 1)[-1], str(refusal))
+        except Exception as error:  # noqa: BLE001 - an item the watcher failed to judge is said, never passed
+            verdict.findings[number] = Finding(UNSEEN, f"not judged: the watcher failed on it ({error!r})")
+            unjudged.append(str(number))
+    if unread is not None:
+        verdict.unobserved = f"items {', '.join(map(str, READ_AT_THE_LOSS))} were not observed: {unread}"
+    elif unjudged:
+        verdict.unobserved = f"items {', '.join(unjudged)} were not judged (the watcher failed on them)"
+    verdict.found = context.found()
+    verdict.notes += context.notes
+    return verdict
+
+
+@dataclass
+class Context:
+    observed: dict
+    model: dict
+    loops: list
+    world_size: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def length(self):
+        """The window found: the commonest length of the windows (an epoch's short last one is rarer)."""
+        lengths = [len(window) for loop in self.loops for window in loop.windows if window]
+        return Counter(lengths).most_common(1)[0][0] if lengths else 0
+
+    def losses_unread(self):
+        """Why the backwards went unseen, where they did: the witnesses see a backward begin at the gradient of a
+        loss they read (torch's cross_entropy, a plain mean or sum)."""
+        unreadable = sum(loop.seen["unreadable_losses"] for loop in self.loops)
+        if unreadable:
+            return (
+                f"{unreadable} losses were not a plain cross-entropy (weighted, smoothed, or over probabilities): "
+                f"the backwards, syncs and divisors are read at the loss"
+            )
+        if any(loop.seen["backwards"] == 0 for loop in self.loops):
+            return "no loss computed by torch's cross_entropy: the backwards, syncs and divisors are read at it"
+        return None
+
+    @property
+    def every_backward_synced(self):
+        """The loop never asked DDP to skip a sync: every forward and backward with its flag on, each synchronized."""
+        return all(
+            all(loop.flags_at_forward)
+            and all(loop.flags_at_backward.values())
+            and loop.syncs >= set(loop.flags_at_backward)
+            for loop in self.loops
+        )
+
+    def bytes_per_sync(self):
+        first = self.loops[0].seen
+        return first["bytes_handed"] / first["syncs"] if first["syncs"] else 0
+
+    def found(self):
+        first = self.loops[0]
+        steps, forwards = len(first.windows), first.seen["micro_batches"]
+        last = len(first.windows[-1])
+        lines = [
+            f"{self.world_size} ranks ({self.observed['backend']}, {self.model['device_type']}); per rank "
+            f"{forwards} training forwards, {steps} optimizer steps",
+            f"window: {self.length} micro-batches per step"
+            + (f" (the last {last})" if last != self.length else "")
+            + f"; {step_targets(first)} loss targets per step over all ranks",
+            f"syncs: {first.seen['syncs']} on rank 0 ({first.seen['syncs'] / steps:.3g} per window), "
+            f"{human_bytes(self.bytes_per_sync())} handed to the all-reduce per sync",
+        ]
+        if first.seen.get("script_hook"):
+            lines.append(f"the script's communication hook {first.seen['script_hook']} ran inside the watcher's count")
+        return lines
+
+
+def step_targets(loop):
+    runs = loop.seen["step_samples"]
+    return Counter({value: count for value, count in runs}).most_common(1)[0][0] if runs else 0
+
+
+# ----------------------------------------------------------------------------- the items
+
+
+def judge_processes(context):
+    """1. Each rank its own process; on CUDA each its own GPU."""
+    model, world_size = context.model, context.world_size
+    if len(model["ranks"]) != world_size or model["processes"] != world_size:
+        raise Refusal(f"{world_size} ranks ran in {model['processes']} processes")
+    if model["device_type"] == "cuda" and model["devices"] != world_size:
+        raise Refusal(f"{world_size} ranks shared {model['devices']} GPUs: one process per GPU")
+    devices = f", {model['devices']} GPUs" if model["device_type"] == "cuda" else ""
+    return PASS, f"{world_size} ranks in {model['processes']} processes{devices}"
+
+
+def judge_samples(context):
+    """2. The ranks' inputs differ (each forward's fingerprint); a shuffling DistributedSampler's every pass in a
+    new epoch's order (set_epoch before it)."""
+    for rank, mine in enumerate(context.observed["ranks"]):
+        orders = {}  # per sampler, the orders its training passes delivered
+        for sampler, epoch, shuffle, order, trained in mine["sampler_passes"]:
+            if not (shuffle and trained):  # an evaluation's loader, or one peeked at, may repeat its order
+                continue
+            if order in orders.setdefault(sampler, set()):
+                raise Refusal(
+                    f"rank {rank}: a DataLoader began a training pass over a shuffling DistributedSampler in the "
+                    f"order of an earlier one (epoch {epoch} again): call sampler.set_epoch(epoch) before each "
+                    f"epoch, or every epoch repeats the first one's order"
+                )
+            orders[sampler].add(order)
+    prints = [loop.seen["input_prints"] for loop in context.loops]
+    for a in range(len(prints)):
+        for b in range(a + 1, len(prints)):
+            if prints[a] and prints[a] == prints[b]:
+                raise Refusal(
+                    f"ranks {a} and {b} trained on the same inputs in all {len(prints[a])} forwards: each rank must "
+                    f"read its own shard (a DistributedSampler, or data split by rank)"
+                )
+    passes = sum(trained for *_, trained in context.observed["ranks"][0]["sampler_passes"])
+    sampled = (
+        f"; {passes} training passes over a DistributedSampler on rank 0, each in a new order"
+        if passes
+        else "; no DistributedSampler in training"
+    )
+    return PASS, f"each rank's inputs its own in every forward{sampled}"
+
+
+def judge_steps(context):
+    """8. One step per window: the ranks step alike, no window longer than the others (a shorter one, an epoch's
+    last, is judged by its divisors at item 4), none empty, the optimizer's own count of its updates where it keeps
+    one."""
+    counts = [len(loop.windows) for loop in context.loops]
+    if len(set(counts)) > 1:
+        raise Refusal(f"the ranks stepped {counts} times: every rank steps at every window's end")
+    length = context.length
+    for loop in context.loops:
+        for number, window in enumerate(loop.windows, 1):
+            if not window:
+                raise Refusal(
+                    f"rank {loop.rank}, optimizer step {number}: it followed step {number - 1} with no backward "
+                    f"between (an extra step())"
+                )
+            if len(window) > length:
+                loop.refuse(
+                    window[-1],
+                    f"its window held {len(window)} micro-batches where the others hold {length} (a step() skipped)",
+                )
+        counted = loop.seen.get("optimizer_state_steps")
+        if loop.seen.get("optimizer_counts_steps") and counted != len(loop.windows):
+            raise Refusal(
+                f"rank {loop.rank}: the optimizer's state counted {counted} updates, its step hooks "
+                f"{len(loop.windows)} (an update inside step() run twice, or skipped)"
+            )
+        if loop.trailing and loop.rank == 0:
+            context.notes.append(f"{len(loop.trailing)} micro-batches after the last step reached no step")
+    return PASS, f"{counts[0]} steps per rank, one per window of {length}"
+
+
+def judge_resets(context):
+    """7. Each window's first backward starts on reset gradients, no other does; no step on reset gradients,
+    none between a forward and its backward."""
+    for loop in context.loops:
+        seen = loop.seen
+        if seen["steps_before_backward"]:
+            loop.refuse(seen["steps_before_backward"][0], "the optimizer stepped between its forward and its backward")
+        fresh = set(from_progressions(seen["fresh_at_backward"]))
+        for window in [*loop.windows, loop.trailing]:
+            backwards = [index for index in window if index in loop.losses]
+            if backwards and backwards[0] not in fresh:
+                loop.refuse(
+                    backwards[0], "its backward added onto the last window's gradients (no zero_grad() after the step)"
+                )
+            inside = [index for index in backwards[1:] if index in fresh]
+            if inside:
+                loop.refuse(
+                    inside[0],
+                    "its backward started on reset gradients inside a window (zero_grad() before the window's "
+                    "last micro-batch: the window's earlier gradients were lost)",
+                )
+        fresh_at_step = from_progressions(seen["fresh_at_step"])
+        if fresh_at_step:
+            loop.refuse(fresh_at_step[0], "the optimizer stepped on reset gradients (zero_grad() before step())")
+    return PASS, "reset at every window's start and nowhere else"
+
+
+def judge_intermediate_syncs(context):
+    """5. No micro-batch but a window's last synchronized; the gradients only added onto between backwards."""
+    for loop in context.loops:
+        altered = from_progressions(loop.seen["altered_at"])
+        if altered:
+            loop.refuse(altered[0], "the gradients were not what the backward before left (changed between backwards)")
+    if context.every_backward_synced:
+        length, per_sync = context.length, context.bytes_per_sync()
+        if length > 1:
+            context.notes.append(
+                f"{length} syncs per window where 1 suffices: no_sync() around the forward and backward of the "
+                f"first {length - 1} micro-batches would save {human_bytes((length - 1) * per_sync)} per window"
+            )
+        return UNSEEN, "no_sync() not used: every micro-batch synchronized (correct, and the most traffic)"
+    for loop in context.loops:
+        for window in loop.windows:
+            for index in window[:-1]:
+                if index not in loop.syncs:
+                    continue
+                if loop.flags_at_forward[index] and not loop.flags_at_backward.get(index, True):
+                    loop.refuse(
+                        index,
+                        "it synchronized: its backward ran with DDP's sync off but its forward with it on (no_sync() "
+                        "entered, or require_backward_grad_sync set False, after the forward), and DDP decides at "
+                        "the forward: put the forward inside no_sync() too",
+                    )
+                if not loop.flags_at_forward[index] and not loop.flags_at_backward.get(index, True):
+                    loop.refuse(
+                        index,
+                        "it synchronized although its forward and backward ran with DDP's sync off: an earlier "
+                        "forward with the sync on and gradients enabled was followed by no backward, and left DDP "
+                        "waiting for one (run such a forward under torch.no_grad(), or inside no_sync())",
+                    )
+                loop.refuse(index, "it synchronized, and it is not its window's last micro-batch")
+    return PASS, "every other micro-batch's forward and backward without a sync"
+
+
+def judge_last_synced(context):
+    """6. Each window's last micro-batch synchronized, and the gradient the step took the ranks' mean."""
+    if context.world_size > 1:
+        for loop in context.loops:
+            for window in loop.windows:
+                if not window or window[-1] in loop.syncs:
+                    continue
+                index = window[-1]
+                if not loop.flags_at_forward[index] and loop.flags_at_backward.get(index):
+                    loop.refuse(
+                        index,
+                        "it did not synchronize: its forward ran with DDP's sync off (the flag set back on only "
+                        "after the forward; DDP decides at the forward), so the step took this rank's own gradients",
+                    )
+                loop.refuse(
+                    index,
+                    "it did not synchronize (its forward and backward inside no_sync()): the step took this rank's "
+                    "own gradients, not the ranks' mean",
+                )
+    for loop in context.loops:
+        off = loop.seen.get("first_average_off")
+        if off is not None:
+            raise Refusal(
+                f"rank {loop.rank}, optimizer step {off['optimizer_step']}: the synchronized gradient's projection "
+                f"{off['synced']!r} is not the mean of the ranks' local ones {off['mean_of_ranks']!r} (bound "
+                f"{off['bound']!r}): the reduction did not average"
+            )
+    return (
+        PASS,
+        f"each window's last micro-batch synchronized: the ranks' mean, at {context.loops[0].seen['averages_checked']} steps",
+    )
+
+
+def judge_divisors(context):
+    """4. Over a window and the ranks, the weights of its micro-batches' mean losses (1 / the divisor read at each
+    loss) sum to one mean; weights unequal per item that still sum to one are a note."""
+    loops, world_size = context.loops, context.world_size
+    bound, residual_bound = loss_scale_bounds_any()
+    for loop in loops:
+        deviation, residual = loop.seen.get("loss_scale_deviation"), loop.seen.get("loss_scale_residual")
+        if deviation is None or deviation > bound or residual is None or residual > residual_bound:
+            context.notes.append(
+                f"rank {loop.rank}: the gradient at the logits is not the cross-entropy's alone (deviation "
+                f"{deviation!r}, residual {residual!r}): another term on the same logits; the divisors are read at "
+                f"the cross-entropy's value"
+            )
+            break
+    unequal = None
+    for number in range(1, min(len(loop.windows) for loop in loops) + 1):
+        weights = []  # (rank loop, micro-batch, weight of its mean loss, its items)
+        for loop in loops:
+            for index in loop.windows[number - 1]:
+                read, items = loop.losses[index]
+                weights.append((loop, index, 1 / read if read and math.isfinite(read) else math.nan, items))
+        if not weights:
+            continue
+        total = sum(weight for _, _, weight, _ in weights) / world_size
+        if not abs(total - 1) <= WEIGHT_TOLERANCE:
+            loop, index, _, _ = weights[0]
+            divisors = sorted(
+                {f"{1 / weight:.4g}" if weight else "inf" for _, _, weight, _ in weights if weight == weight}
+            )
+            length = len(loop.windows[number - 1])
+            loop.refuse(
+                index,
+                f"the window's {length} micro-batch losses were each divided by {' or '.join(divisors) or 'nothing read'}: "
+                f"they weigh {total:.4g} means over the window and the ranks, where they must weigh one (divide each "
+                f"mean loss by {length}, the window's length, or normalize by its items over the window and the ranks)",
+            )
+        per_item = [weight / items for _, _, weight, items in weights if items]
+        if per_item and max(per_item) > min(per_item) * (1 + WEIGHT_TOLERANCE) and unequal is None:
+            unequal = number
+    if unequal is not None:
+        context.notes.append(
+            f"window {unequal}: its items weigh unequally (a micro-batch's mean over fewer items weighs as much as "
+            f"the others'): the losses still sum to one mean; per-item normalization would weigh every item alike"
+        )
+    return PASS, f"every window's losses weigh one mean ({len(loops[0].windows)} windows)"
+
+
+def loss_scale_bounds_any():
+    """The loss scale's bounds where the logits' gradient may be BF16 (autocast): the loosest the lab allows."""
+    return loss_scale_bounds(torch.bfloat16)
+
+
+def judge_samples_in_loss(context):
+    """3. Every forward's batch reached its loss."""
+    for loop in context.loops:
+        if loop.seen["loss_short_of_samples"]:
+            loop.refuse(loop.seen["loss_short_of_samples"][0], "its loss took fewer samples than its forward")
+    return PASS, f"{step_targets(context.loops[0])} loss targets per step over all ranks"
+
+
+def judge_sync_count(context):
+    """9. One sync per window."""
+    per_window = [sum(index in loop.syncs for index in window) for loop in context.loops for window in loop.windows]
+    if context.every_backward_synced:
+        return UNSEEN, f"{context.length} syncs per window (every micro-batch)"
+    if set(per_window) != {1}:
+        loop = context.loops[0]
+        raise Refusal(f"rank {loop.rank}: syncs per window {sorted(set(per_window))}, one per window expected")
+    return PASS, f"1 per window: {context.loops[0].seen['syncs']} syncs for {len(context.loops[0].windows)} steps"
+
+
+def judge_artifacts(context):
+    """10. The lab's own report.json: nothing of a foreign script's."""
+    return UNSEEN, "the lab's own artifacts: not a foreign script's"
+
+
+ITEM_JUDGES = {
+    1: judge_processes,
+    2: judge_samples,
+    3: judge_samples_in_loss,
+    4: judge_divisors,
+    5: judge_intermediate_syncs,
+    6: judge_last_synced,
+    7: judge_resets,
+    8: judge_steps,
+    9: judge_sync_count,
+    10: judge_artifacts,
+}
