@@ -138,6 +138,10 @@ class Context:
             for loop in self.loops
         )
 
+    def asked_sync(self, loop, index):
+        """The micro-batch synchronized as the loop asked: its forward and its backward with DDP's sync on."""
+        return index in loop.syncs and loop.flags_at_forward[index] and loop.flags_at_backward.get(index, False)
+
     def bytes_per_sync(self):
         first = self.loops[0].seen
         return first["bytes_handed"] / first["syncs"] if first["syncs"] else 0
@@ -230,6 +234,14 @@ def judge_steps(context):
                 loop.refuse(
                     window[-1],
                     f"its window held {len(window)} micro-batches where the others hold {length} (a step() skipped)",
+                )
+            # Two windows' syncs, each as the loop asked for a window's last, with one step after both: one skipped.
+            asked = [index for index in window[:-1] if context.asked_sync(loop, index)]
+            if asked and context.asked_sync(loop, window[-1]) and not context.every_backward_synced:
+                loop.refuse(
+                    asked[0],
+                    f"it synchronized as a window's last micro-batch does (its forward and backward with DDP's sync "
+                    f"on) and no step followed (a step() skipped): its window held {len(window)} micro-batches",
                 )
         counted = loop.seen.get("optimizer_state_steps")
         if loop.seen.get("optimizer_counts_steps") and counted != len(loop.windows):

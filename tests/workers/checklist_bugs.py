@@ -3,11 +3,13 @@ injected, either in the loop (train.py's own source edited as a user would edit 
 optimizer, autograd, DDP or collective patched for that run alone). Each scenario's run folder is then
 audited by tests/test_checklist.py: verify.py must refuse it, naming the checklist item it breaks.
 
-    torchrun --nproc-per-node=2 tests/workers/checklist_bugs.py OUT BUG:WAY:MODE ... -- TRAIN_OPTIONS
+    torchrun --nproc-per-node=2 tests/workers/checklist_bugs.py [--watch] OUT BUG:WAY:MODE ... -- TRAIN_OPTIONS
 
 MODE is every, no_sync or both; each scenario trains into OUT/BUG-WAY-MODE/<mode> (compression_label_lies
 with --comm-hook bf16; BUG:WAY:MODE:PRECISION with --precision PRECISION, into OUT/BUG-WAY-MODE-PRECISION;
-BUG "none" in the loop is the lab).
+BUG "none" in the loop is the lab). With --watch each run is also watched as a foreign script would be
+(ddp_no_sync_lab.watch: its witnesses installed for the run, its verdict judged after it): rank 0 writes the
+watcher's last line to the run's folder's watch.txt.
 """
 
 import contextlib
@@ -23,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import train
 from ddp_no_sync_lab.run import launch
+from ddp_no_sync_lab.watch.observe import Watch
+from ddp_no_sync_lab.watch.verdict import judge
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -254,9 +258,22 @@ def beneath(bug):
         yield
 
 
+@contextlib.contextmanager
+def watched(output):
+    """The run under the watcher, its verdict's last line written to OUTPUT/watch.txt by rank 0."""
+    watch = Watch()
+    watch.install()
+    yield
+    watch.close()
+    if dist.get_rank() == 0:
+        (output / "watch.txt").write_text(judge(watch.observed).last_line() + "\n")
+
+
 def main():
-    separator = sys.argv.index("--")
-    out, scenarios, options = Path(sys.argv[1]), sys.argv[2:separator], sys.argv[separator + 1 :]
+    watching = sys.argv[1] == "--watch"
+    arguments = sys.argv[2:] if watching else sys.argv[1:]
+    separator = arguments.index("--")
+    out, scenarios, options = Path(arguments[0]), arguments[1:separator], arguments[separator + 1 :]
     place = launch.init_process_group(launch.launch_environment(2))
     for scenario in scenarios:
         bug, way, modes, *precision = scenario.split(":")
@@ -267,7 +284,8 @@ def main():
             needs += ["--precision", *precision] if precision else []
             args = module.parse_args(["--mode", mode, "--output", str(output), "--quiet", *options, *needs])
             with beneath(bug) if way != "loop" else contextlib.nullcontext():
-                module.run(args, place)
+                with watched(output) if watching else contextlib.nullcontext():
+                    module.run(args, place)
     dist.destroy_process_group()
 
 
