@@ -129,6 +129,10 @@ LAB_BROKEN = {
     ),
 }
 RAISES = 'def fail():\n    raise ValueError("the script\'s own error")\n\n\nfail()\n'
+TORN_DOWN_FAILING = (
+    "import torch.distributed as dist\n\ntry:\n    raise RuntimeError('an error the script handles')\n"
+    "except RuntimeError:\n    dist.destroy_process_group()\n"
+)
 NO_DDP = "import sys\n\nprint(sys.argv[1:], sys.path[0])\n"
 
 
@@ -141,9 +145,11 @@ def watched(tmp_path_factory, image_data):
     (scripts / "raises.py").write_text(RAISES)
     (scripts / "no_ddp.py").write_text(NO_DDP)
     (scripts / "exits.py").write_text("import sys\n\nsys.exit(3)\n")
+    (scripts / "torn_down_failing.py").write_text(TORN_DOWN_FAILING)
     cases = [[name, PLAIN, "--case", name] for name in PLAIN_CASES]
     cases += [["nanogpt", NANOGPT], ["nanogpt_flag_after_forward", NANOGPT, "--flag-after-forward"]]
     cases += [["raises", scripts / "raises.py"], ["exits", scripts / "exits.py"]]
+    cases += [["torn_down_failing", scripts / "torn_down_failing.py"]]
     cases += [["no_ddp", scripts / "no_ddp.py", "an argument", "--", "--an-option"]]
     lab = [REPO / "train.py", "--data-dir", image_data, *SMALL_RUN, "--quiet", "--output"]
     cases += [[f"lab_{mode}", *lab, folder / "lab" / mode, "--mode", mode] for mode in ("every", "no_sync")]
@@ -285,6 +291,11 @@ def test_the_script_runs_as_python_runs_it_its_failures_its_own(watched):
     assert plain["stdout"].splitlines()[0] == f"['an argument', '--', '--an-option'] {watched['scripts']}"
     assert plain["status"] == 1 and last_line(plain).startswith(
         "NOTHING AUDITED: the script made no DistributedDataParallel model"
+    )
+    failing, _ = watched["torn_down_failing"]
+    assert (failing["status"], last_line(failing)) == (
+        1,
+        "NOTHING AUDITED: the script tore its process group down while handling an exception: not judged",
     )
 
 

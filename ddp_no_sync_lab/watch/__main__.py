@@ -105,13 +105,20 @@ def main(argv=None):
     status = run_script(options.script, script_args)
     if status:
         return status
-    watch.close()  # where the script left its process group standing: the exchange now
-    if watch.observed is None:
-        verdict = Verdict(nothing="the script made no process group: run it under torchrun, with its model in DDP")
-    else:
-        verdict = judge(watch.observed)
+    verdict = judged(watch)
     report(verdict, options.script, script_args, watch.observed, options.out)
     return 0 if verdict.passed else 1
+
+
+def judged(watch):
+    """The verdict on the script's run, once it ended well: exchanged now where it left its process group
+    standing; nothing judged where it tore the group down while handling an exception, or never made one."""
+    if watch.torn_down_failing:
+        return Verdict(nothing="the script tore its process group down while handling an exception: not judged")
+    watch.close()
+    if watch.observed is None:
+        return Verdict(nothing="the script made no process group: run it under torchrun, with its model in DDP")
+    return judge(watch.observed)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ class Watch:
         self.step_depth = 0  # optimizers' steps under way (a wrapper's step runs its inner optimizer's)
         self.joined = set()  # witnesses whose current step joins another optimizer's
         self.observed = None  # every rank's observations, once exchanged
+        self.torn_down_failing = False  # the script tore the default group down while handling an exception
 
     def install(self):
         """This watch the one the process's events go to, the patches put in on the first install."""
@@ -323,13 +324,21 @@ def patch_process():
 
     F.cross_entropy = watched_cross_entropy
     patch_loaders()
+    patch_teardown()
+
+
+def patch_teardown():
+    """The default group's teardown: the exchange first, on the script's way out only."""
     destroy = dist.destroy_process_group
 
     @functools.wraps(destroy)
     def destroy_process_group(group=None):
         # The exchange on the script's way out, not on its way down: an exception being handled means it failed.
-        if (group is None or group is dist.GroupMember.WORLD) and sys.exc_info()[0] is None:
-            Watch.active.close()
+        if group is None or group is dist.GroupMember.WORLD:
+            if sys.exc_info()[0] is None:
+                Watch.active.close()
+            else:
+                Watch.active.torn_down_failing = True
         destroy(group)
 
     dist.destroy_process_group = destroy_process_group
