@@ -351,3 +351,15 @@ def test_a_missing_script_is_one_line_naming_it(tmp_path):
         f"python -m ddp_no_sync_lab.watch: error: {tmp_path / 'absent.py'}: no such script: give the path of the "
         f"training script (see: python -m ddp_no_sync_lab.watch --help)"
     ]
+
+
+def test_an_out_that_is_a_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "taken").write_text("")
+    (tmp_path / "train.py").write_text("")
+    command = [sys.executable, "-m", "ddp_no_sync_lab.watch", "--out", "taken", "train.py"]
+    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "python -m ddp_no_sync_lab.watch: error: --out taken: a file, not a folder: give a folder for watch.json "
+        "(see: python -m ddp_no_sync_lab.watch --help)"
+    ]

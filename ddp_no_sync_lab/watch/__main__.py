@@ -51,6 +51,8 @@ def parse(argv):
     options = parser.parse_args(argv[: index + 1])
     if not options.script.is_file():
         exit_with(parser.usage_error(f"{options.script}: no such script: give the path of the training script"), PROG)
+    if options.out is not None and options.out.exists() and not options.out.is_dir():
+        exit_with(parser.usage_error(f"--out {options.out}: a file, not a folder: give a folder for watch.json"), PROG)
     return options, argv[index + 1 :]
 
 
