@@ -102,7 +102,7 @@ compat:
 	@test -n "$(TORCH)" || { echo "make compat: name the version, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
 	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
 	.venv-torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)" torchvision \
-		$$(grep -h -E '^(pillow|pytest|pytest-xdist|execnet)==' requirements.txt requirements-dev.txt)
+		$$(grep -h -E '^(pillow|pytest|pytest-xdist|execnet|accelerate|lightning|transformers)==' requirements.txt requirements-dev.txt)
 	$(MAKE) --no-print-directory install-package VENV=.venv-torch-$(TORCH)
 	$(MAKE) --no-print-directory compat-run VENV=.venv-torch-$(TORCH) QUICK=artifacts/quick-torch-$(TORCH)
 

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+from torch.utils import _pytree as pytree
 
 from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.audit.clipping import CLIPS
@@ -81,6 +82,13 @@ LOCAL_F, LOCAL_NORM, SAMPLES, FORWARDS, SYNCS, SYNCED_F, TOKENS = range(7)
 # A step's row of trace.averages: the synced gradient's F and the mean of the ranks' local ones, the bound between
 # them, then the window's samples and forwards over every rank (the text task: and tokens).
 SYNCED, MEAN, BOUND, STEP_SAMPLES, STEP_FORWARDS, STEP_TOKENS = range(6)
+
+
+def first_batched(positional, keywords):
+    """A forward's first tensor argument with a batch dimension, positional or keyword, nested ones too (a
+    framework's step hands the model its batch as a list or a dict); None where there is none."""
+    leaves = pytree.tree_leaves((positional, keywords))
+    return next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 
 
 class InertHook:
@@ -236,11 +244,9 @@ class Witness:
         held = held_bytes(self.parameters, self.projection.whole)  # between micro-batches: what the window keeps
         self.epoch_trace.held_bytes = [max(pair) for pair in zip(self.epoch_trace.held_bytes, held)]
         self.trace.micro_batches += 1
-        # The forward's batch: its first tensor argument's leading dimension, positional or keyword (where none
-        # shows, its loss's targets count for it); the samples behind a step are counted at the loss (on_loss).
-        arguments = (*positional, *keywords.values())
-        tensors = (value for value in arguments if isinstance(value, torch.Tensor) and value.dim())
-        first = next(tensors, None)
+        # The forward's batch: its first tensor argument's leading dimension (where none shows, its loss's targets
+        # count for it); the samples behind a step are counted at the loss (on_loss).
+        first = first_batched(positional, keywords)
         batch = first.shape[0] if first is not None else None
         self.trace.samples += batch or 0
         self.forward_batch, self.awaiting_loss = batch, True  # the criterion's next call is on this forward's output

@@ -159,10 +159,11 @@ ENTRY_POINTS = {
 class CollectiveCounter:
     """FSDP's all-gathers and reduce-scatters, read from the calls themselves: FSDP calls torch.distributed's
     collectives through the package at call time, and no hook of FSDP's sees them. Installed once per process;
-    counts into the audit of the model being trained; a call made inside another counted one is not counted again."""
+    counts into the audit each owner gave last (the lab's run, the watcher's); a call made inside another counted
+    one is not counted again."""
 
     def __init__(self):
-        self.comm_audit, self.depth = None, threading.local()
+        self.audits, self.depth = {}, threading.local()
         for kind, names in ENTRY_POINTS.items():
             for name in names:
                 if hasattr(dist, name):
@@ -170,22 +171,26 @@ class CollectiveCounter:
 
     def counted(self, kind, collective):
         def call(*args, **kwargs):
-            audit = self.comm_audit if getattr(self.depth, "value", 0) == 0 else None
+            audits = list(self.audits.values()) if getattr(self.depth, "value", 0) == 0 else []
             handed = kwargs.get("input_tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
-            if audit is not None:
+            for audit in audits:
                 self.count(audit, kind, handed)
-            started = audit.clock.start() if audit is not None else None
+            started = [(audit, audit.clock.start()) for audit in audits]
             self.depth.value = getattr(self.depth, "value", 0) + 1
             try:
                 result = collective(*args, **kwargs)
             finally:
                 self.depth.value -= 1
-            if started is not None:
-                clocked = "sync" if kind == "reduce_scatter" else "all_gather"  # a reduce-scatter is FSDP's sync
-                if kwargs.get("async_op"):  # timed to its completion, not its launch
-                    result.get_future().then(lambda _: audit.clock.stop(started, clocked))
-                else:
-                    audit.clock.stop(started, clocked)
+            clocked = "sync" if kind == "reduce_scatter" else "all_gather"  # a reduce-scatter is FSDP's sync
+
+            def stop(_=None):
+                for audit, start in started:
+                    audit.clock.stop(start, clocked)
+
+            if started and kwargs.get("async_op"):  # timed to its completion, not its launch
+                result.get_future().then(stop)
+            else:
+                stop()
             return result
 
         return call
@@ -206,6 +211,30 @@ class CollectiveCounter:
 
 
 COUNTER = None
+
+
+def param_groups(root):
+    """The FSDP parameter groups of `root`'s units (the root's own among them where it holds parameters)."""
+    states = (module._get_fsdp_state() for module in root.modules() if hasattr(module, "_get_fsdp_state"))
+    return [state._fsdp_param_group for state in states if state._fsdp_param_group is not None]
+
+
+def unsharded_parameters(root):
+    """{sharded parameter's id: the unsharded parameter the forward computes with}, once FSDP made them."""
+    return {
+        id(fsdp_param.sharded_param): fsdp_param._unsharded_param
+        for group in param_groups(root)
+        for fsdp_param in group.fsdp_params
+        if hasattr(fsdp_param, "_unsharded_param")
+    }
+
+
+def counting_into(comm_audit, owner="lab"):
+    """FSDP's collectives in this process counted into `comm_audit` from here on, in place of the audit `owner`
+    gave before (the counter installed once)."""
+    global COUNTER
+    COUNTER = COUNTER or CollectiveCounter()
+    COUNTER.audits[owner] = comm_audit
 
 
 # ----------------------------------------------------------------------------- the model under fully_shard
@@ -258,14 +287,7 @@ class ShardedModel:
         self.comm_audit.broadcast_bytes += sum(buffer.numel() * buffer.element_size() for buffer in buffers)
 
     def unsharded_parameters(self):
-        """{sharded parameter's id: the unsharded parameter the forward computes with}, once FSDP made them."""
-        found = {}
-        for module in self.module.modules():
-            group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
-            for fsdp_param in group.fsdp_params if group else ():
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    found[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
-        return found
+        return unsharded_parameters(self.module)
 
     def full_state_dict(self):
         """The whole model's state, gathered on every rank (a collective: every rank calls it), as plain tensors:
@@ -278,7 +300,6 @@ class ShardedModel:
 
 def wrap_sharded(model, device, world_size, group, config):
     """The model under fully_shard (its units, then the root), no_sync's counterpart and the counted collectives."""
-    global COUNTER
     check_split(config)
     model = model.to(memory_format=torch.contiguous_format)
     process_group = group or dist.distributed_c10d._get_default_group()
@@ -298,6 +319,5 @@ def wrap_sharded(model, device, world_size, group, config):
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
     comm_audit = instruments.CommAudit(world_size, group, clock=instruments.CollectiveClock(device.type))
-    COUNTER = COUNTER or CollectiveCounter()
-    COUNTER.comm_audit = comm_audit
+    counting_into(comm_audit)
     return ShardedModel(model, comm_audit, group), comm_audit

@@ -72,6 +72,8 @@ def run_script(script, script_args):
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         return exit_status(stop.code)
+    except LabError:  # the watcher's own refusal to watch the script as it was launched
+        raise
     except BaseException as error:  # noqa: BLE001 - reported as Python reports a script's uncaught exception
         frames = error.__traceback__  # from the script's first frame on (none for a script that does not compile)
         while frames is not None and frames.tb_frame.f_code.co_filename != str(script):

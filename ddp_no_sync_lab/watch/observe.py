@@ -1,5 +1,5 @@
 """What the watcher puts into a script's process before its first line, through the audit's face: a witness on
-every DDP model the script makes, fed by the optimizers' step hooks (every optimizer's), by torch's cross-entropy
+every DDP model the script makes (and on the root of a model it puts under FSDP2's fully_shard), fed by the optimizers' step hooks (every optimizer's), by torch's cross-entropy
 (called as a function or through its module), by its DataLoaders' passes over a DistributedSampler; and the
 exchange of every rank's observations before the script tears its process group down.
 
@@ -10,6 +10,7 @@ watcher's counting one, as DDP runs it without the watcher.
 
 import functools
 import inspect
+import os
 import sys
 import time
 import weakref
@@ -26,7 +27,13 @@ from torch.utils.data import dataloader as loader_module
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_no_sync_lab.audit import face
+from ddp_no_sync_lab.audit.checklist import first_batched
+from ddp_no_sync_lab.cli import LabError
+from ddp_no_sync_lab.strategies import fsdp
 
+# A launcher's rank in the environment at the start (torchrun's, SLURM's, Open MPI's, MPICH's): without one, a
+# script whose DDP model spans several ranks started the others itself, without the watcher.
+LAUNCHER_RANKS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # The longest a rank waits for the others in the watcher's own collectives (a window's average, the exchange at
 # exit): longer than a rank's last evaluation or save before its teardown; ranks stopped apart end, never hang.
 EXCHANGE_TIMEOUT = timedelta(minutes=30)
@@ -59,6 +66,46 @@ class HookSlot:
         return self.hook(self.state, bucket)
 
 
+# The frameworks whose own code may make a script's DDP model and run its loop, by top-level package, as the
+# report names them: read from the call stack, none of them imported.
+FRAMEWORKS = {
+    "accelerate": "Accelerate",
+    "lightning": "Lightning",
+    "pytorch_lightning": "Lightning",
+    "transformers": "HF Trainer",
+}
+
+
+def framework_of(frame):
+    """The framework whose code runs `frame`, or None."""
+    return FRAMEWORKS.get(frame.f_globals.get("__name__", "").partition(".")[0])
+
+
+def outermost_framework(frame):
+    """The framework nearest the script among the callers of `frame` (HF's Trainer calls Accelerate), or None."""
+    found = None
+    while frame is not None:
+        found = framework_of(frame) or found
+        frame = frame.f_back
+    return found
+
+
+class ShardedView:
+    """A model under FSDP2's fully_shard as the witnesses read a DDP model: its module (the root), process group,
+    sync flag (every unit's, which set_requires_gradient_sync sets) and unsharded parameters."""
+
+    def __init__(self, root):
+        self.module = root
+        self.process_group = next(root.parameters()).device_mesh.get_group()
+
+    @property
+    def require_backward_grad_sync(self):
+        return all(group.reduce_grads for group in fsdp.param_groups(self.module))
+
+    def unsharded_parameters(self):
+        return fsdp.unsharded_parameters(self.module)
+
+
 SLOTS = weakref.WeakKeyDictionary()  # each adopted DDP model's hook slot
 DDP_REGISTER_COMM_HOOK = DistributedDataParallel.register_comm_hook  # DDP's own, beneath the watcher's patch
 
@@ -76,12 +123,13 @@ class LoopWitness(face.Witness):
         self.input_prints = []  # per training forward, on the device
         self.unreadable_losses = 0  # cross-entropies read as no plain mean (weights, smoothing, probabilities)
         self.last_step = None  # (forwards seen, optimizer) at the last step taken: a second optimizer's joins it
+        self.made_by = outermost_framework(sys._getframe())  # the framework that made the DDP model, if one did
 
     def on_forward(self, module, positional, keywords):
         if self.training():
+            self.comm_audit.awaiting_sync = True  # FSDP's: the backward's first reduce-scatter is its sync
             self.flags_at_forward.append(bool(self.ddp_model.require_backward_grad_sync))
-            arguments = (*positional, *keywords.values())
-            first = next((value for value in arguments if isinstance(value, torch.Tensor) and value.dim()), None)
+            first = first_batched(positional, keywords)
             if first is not None:
                 self.input_prints.append(inputs_print(first))
             if self.watch.current_pass is not None:
@@ -129,7 +177,7 @@ class LoopWitness(face.Witness):
         reads = [scale[2] for scale in torch.stack(self.trace.loss_scales).tolist()] if self.trace.loss_scales else []
         read = self.losses_read
         items = dict(zip(read, torch.stack(list(read.values())).tolist())) if read else {}
-        slot = SLOTS[self.ddp_model]
+        slot = SLOTS.get(self.ddp_model)
         return {
             **observed,
             "losses": [[index, value, items.get(index)] for index, value in zip(self.trace.loss_positions, reads)],
@@ -139,11 +187,13 @@ class LoopWitness(face.Witness):
             "sync_positions": self.epoch_trace.sync_positions,
             "step_positions": self.epoch_trace.step_positions,
             "input_prints": torch.stack(self.input_prints).tolist() if self.input_prints else [],
-            "bytes_handed": self.comm_audit.allreduce_bytes,
+            "bytes_handed": self.comm_audit.allreduce_bytes + self.comm_audit.reduce_scatter_bytes,
+            "sharded": self.unsharded is not None,
             "syncs": self.comm_audit.gradient_syncs,
             "optimizer_counts_steps": self.optimizer is not None
             and "step" in self.optimizer.state.get(self.parameters[0], {}),
-            "script_hook": getattr(slot.hook, "__name__", "?") if slot.registered else None,
+            "script_hook": getattr(slot.hook, "__name__", "?") if slot is not None and slot.registered else None,
+            "made_by": self.made_by,
         }
 
 
@@ -158,16 +208,19 @@ class Watch:
     def __init__(self):
         self.witnesses = []
         self.declined = []  # DDP models not watched, and why
+        self.unit_hooks = []  # on each FSDP unit until one is called: the root's first forward adopts it
         self.group = None  # the watcher's own process group
-        self.sampler_passes = []  # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order]
+        # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order, who set its epoch]
+        self.sampler_passes = []
         self.samplers = weakref.WeakKeyDictionary()
+        self.epoch_set_by = weakref.WeakKeyDictionary()  # per sampler: the framework that set its epoch last, or None
         self.current_pass = None  # the pass whose batch the script took last
         self.trained_passes = set()  # passes a training forward followed a batch of
         self.of_optimizer = weakref.WeakKeyDictionary()
         self.step_depth = 0  # optimizers' steps under way (a wrapper's step runs its inner optimizer's)
-        self.joined = set()  # witnesses whose current step joins another optimizer's
         self.observed = None  # every rank's observations, once exchanged
         self.torn_down_failing = False  # the script tore the default group down while handling an exception
+        self.launched = any(name in os.environ for name in LAUNCHER_RANKS)  # this process given its rank
 
     def install(self):
         """This watch the one the process's events go to, the patches put in on the first install."""
@@ -178,7 +231,16 @@ class Watch:
             Watch.patched = True
 
     def adopt(self, ddp_model):
-        """A DDP model the script made (a collective: every rank makes it): counted and witnessed."""
+        """A DDP model the script made, or the ShardedView of an FSDP2 root (a collective: every rank makes it, or
+        calls it first): its syncs counted, witnessed."""
+        if dist.get_world_size() > 1 and not self.launched:
+            raise LabError(
+                f"the script made a DDP model over {dist.get_world_size()} ranks in a process no launcher gave a "
+                f"rank: it started the other ranks itself (as Lightning does under plain python), and they run "
+                f"without the watcher: launch it with torchrun --nproc-per-node={dist.get_world_size()} -m "
+                f"ddp_no_sync_lab.watch SCRIPT",
+                broken_process=True,  # ended at once: its own ranks wait on it in DDP's collectives
+            )
         if dist.get_world_size(ddp_model.process_group) != dist.get_world_size():
             self.declined.append(
                 "a DDP model over a subgroup of the ranks (not watched: the watcher's exchange spans all)"
@@ -188,12 +250,31 @@ class Watch:
             self.group = dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
         device = next(ddp_model.module.parameters()).device
         comm_audit = face.CommAudit(dist.get_world_size(), group=self.group)
-        slot = SLOTS[ddp_model] = HookSlot(ddp_model)
-        DDP_REGISTER_COMM_HOOK(ddp_model, (comm_audit, None), face.counting(slot.run))
-        ddp_model._comm_hooks.clear()  # the script reads DDP's record of its hooks: its own only
+        if isinstance(ddp_model, ShardedView):
+            fsdp.counting_into(comm_audit, owner="watch")  # FSDP's reduce-scatters, from the calls themselves
+        else:
+            slot = SLOTS[ddp_model] = HookSlot(ddp_model)
+            DDP_REGISTER_COMM_HOOK(ddp_model, (comm_audit, None), face.counting(slot.run))
+            ddp_model._comm_hooks.clear()  # the script reads DDP's record of its hooks: its own only
         witness = LoopWitness(ddp_model, self, comm_audit, device)
         witness.begin_epoch(face.EpochTrace())
         self.witnesses.append(witness)
+
+    def on_fully_shard(self, module):
+        """A module fully_shard made an FSDP unit: the first unit called is the root (the others run inside its
+        forward), adopted at that call, before FSDP's own pre-forward hook: the witnesses take the parameters as
+        fully_shard left them, before FSDP's lazy initialization (as the lab's attach takes them)."""
+        self.unit_hooks.append(
+            module.register_forward_pre_hook(self.on_first_sharded_call, prepend=True, with_kwargs=True)
+        )
+
+    def on_first_sharded_call(self, module, positional, keywords):
+        for handle in self.unit_hooks:
+            handle.remove()
+        self.unit_hooks.clear()
+        self.adopt(ShardedView(module))
+        if self.witnesses and self.witnesses[-1].module is module:  # its first forward began before its hook
+            self.witnesses[-1].on_forward(module, positional, keywords)
 
     # -- the events
 
@@ -206,24 +287,21 @@ class Watch:
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
         self.step_depth += 1
-        if self.step_depth > 1:  # an inner optimizer's step inside a wrapper's: one step
+        if self.step_depth == 1:  # its updates counted from before its first
+            for witness in self.witnesses_of(optimizer):
+                if witness.optimizer is None:
+                    witness.bind(optimizer)
+
+    def on_step_end(self, optimizer, step_args, step_kwargs):
+        """A step read as it ends: a closure may run the window's last forward and backward inside step()
+        (Lightning's does, between the step's pre- and post-hooks); the gradients the update took are read then."""
+        self.step_depth -= 1
+        if self.step_depth > 0:  # an inner optimizer's step inside a wrapper's: one step
             return
         for witness in self.witnesses_of(optimizer):
             if witness.joins_last_step(optimizer):
-                self.joined.add(witness)
                 continue
-            if witness.optimizer is None:
-                witness.bind(optimizer)
             witness.on_step_begin(optimizer, step_args, step_kwargs)
-
-    def on_step_end(self, optimizer, step_args, step_kwargs):
-        self.step_depth -= 1
-        if self.step_depth > 0:
-            return
-        for witness in self.witnesses_of(optimizer):
-            if witness in self.joined:
-                self.joined.discard(witness)
-                continue
             witness.on_step_end(optimizer, step_args, step_kwargs)
 
     def on_loss(self, call, output):
@@ -248,7 +326,8 @@ class Watch:
     def on_sampler_pass(self, sampler):
         """A DataLoader began a pass over a DistributedSampler: its number, its epoch, the order it will deliver."""
         number = self.samplers.setdefault(sampler, len(self.samplers))
-        self.sampler_passes.append([number, sampler.epoch, sampler.shuffle, hash(tuple(iter(sampler)))])
+        order = hash(tuple(iter(sampler)))
+        self.sampler_passes.append([number, sampler.epoch, sampler.shuffle, order, self.epoch_set_by.get(sampler)])
         return len(self.sampler_passes) - 1
 
     # -- the exchange
@@ -277,8 +356,8 @@ class Watch:
 def patch_process():
     """The watcher's taps, once per process, each reporting to Watch.active: DDP's constructor and its hook
     registration, every optimizer's step (torch's global step hooks), torch's cross_entropy (a module's call
-    reaches it too), a DataLoader's pass over a DistributedSampler and each batch it hands over, and the default
-    group's teardown (the exchange first)."""
+    reaches it too), a DataLoader's pass over a DistributedSampler and each batch it hands over, the default
+    group's teardown (the exchange first), and FSDP2's fully_shard."""
     ddp_init = DistributedDataParallel.__init__
 
     @functools.wraps(ddp_init)
@@ -325,6 +404,23 @@ def patch_process():
     F.cross_entropy = watched_cross_entropy
     patch_loaders()
     patch_teardown()
+    patch_fully_shard()
+
+
+def patch_fully_shard():
+    """FSDP2's fully_shard, as scripts import it (torch.distributed.fsdp): each unit it makes reported."""
+    from torch.distributed import fsdp as torch_fsdp  # imports torch._dynamo: about 0.8 s, once per process
+
+    shard = torch_fsdp.fully_shard
+
+    @functools.wraps(shard)  # its attributes too (fully_shard.state)
+    def fully_shard(module, *args, **kwargs):
+        sharded = shard(module, *args, **kwargs)
+        if isinstance(sharded, torch.nn.Module):
+            Watch.active.on_fully_shard(sharded)
+        return sharded
+
+    torch_fsdp.fully_shard = fully_shard
 
 
 def patch_teardown():
@@ -346,7 +442,8 @@ def patch_teardown():
 
 def patch_loaders():
     """A DataLoader's pass over a DistributedSampler recorded as it begins, and each batch it hands over marked
-    with its pass (torch's loader iterators share their base class's __next__)."""
+    with its pass (torch's loader iterators share their base class's __next__); who set a sampler's epoch, the
+    script or a framework."""
     loader_iter, next_batch = DataLoader.__iter__, loader_module._BaseDataLoaderIter.__next__
 
     @functools.wraps(loader_iter)
@@ -365,5 +462,13 @@ def patch_loaders():
         Watch.active.current_pass = getattr(iterator, "watched_pass", None)
         return batch
 
+    set_epoch = DistributedSampler.set_epoch
+
+    @functools.wraps(set_epoch)
+    def watched_set_epoch(sampler, epoch):
+        Watch.active.epoch_set_by[sampler] = framework_of(sys._getframe(1))
+        set_epoch(sampler, epoch)
+
     DataLoader.__iter__ = __iter__
     loader_module._BaseDataLoaderIter.__next__ = __next__
+    DistributedSampler.set_epoch = watched_set_epoch

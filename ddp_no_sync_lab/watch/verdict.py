@@ -74,8 +74,10 @@ def judge(observed):
     model = models[0]
     loops = [RankLoop(rank, seen) for rank, seen in enumerate(model["ranks"])]
     if not any(loop.windows for loop in loops):
-        verdict.nothing = "no optimizer step on the DDP model's parameters was seen: nothing was trained"
-        return verdict
+        if not any(loop.seen["backwards"] for loop in loops):
+            verdict.nothing = "no optimizer step on the DDP model's parameters was seen: nothing was trained"
+            return verdict
+        return stepless(verdict, loops, model)
     world_size = observed["world_size"]
     context = Context(observed, model, loops, world_size)
     unread = context.losses_unread()
@@ -98,6 +100,34 @@ def judge(observed):
         verdict.unobserved = f"items {', '.join(unjudged)} were not judged (the watcher failed on them)"
     verdict.found = context.found()
     verdict.notes += context.notes
+    return verdict
+
+
+# Where a framework, not the script, skips every step or divides a short window by the full one: what it does.
+FRAMEWORK_STEPS = {
+    "Accelerate": "Accelerate's optimizer steps only where accumulate() found a window's end: enter "
+    "`with accelerator.accumulate(model):` around each batch, not around the loop (accelerate#1211)",
+}
+FRAMEWORK_FIXED_DIVISORS = {
+    "Accelerate": "Accelerate's backward() divides every loss by gradient_accumulation_steps, a short last window's "
+    "too: give every epoch whole windows (drop_last=True, or a dataset a multiple of the window)",
+    "Lightning": "Lightning divides every training_step loss by accumulate_grad_batches, a short last window's too "
+    "(Lightning-AI/pytorch-lightning#19987): give every epoch whole windows",
+}
+
+
+def stepless(verdict, loops, model):
+    """Backwards and no optimizer step: nothing was updated (item 8); the items a window's end decides, unseen."""
+    loop = loops[0]
+    framework = loop.seen.get("made_by")
+    why = f": {FRAMEWORK_STEPS[framework]}" if framework in FRAMEWORK_STEPS else " (a step() never called, or skipped)"
+    refusal = (
+        f"rank {loop.rank}: {loop.seen['backwards']} backwards and no optimizer step on the DDP model's parameters: "
+        f"nothing was updated{why}"
+    )
+    for number in ITEM_JUDGES:
+        verdict.findings[number] = Finding(UNSEEN, "no window: no optimizer step was seen")
+    verdict.findings[8] = Finding(FAIL, refusal.split(": ", 1)[-1], refusal)
     return verdict
 
 
@@ -157,8 +187,13 @@ class Context:
             + (f" (the last {last})" if last != self.length else "")
             + f"; {step_targets(first)} loss targets per step over all ranks",
             f"syncs: {first.seen['syncs']} on rank 0 ({first.seen['syncs'] / steps:.3g} per window), "
-            f"{human_bytes(self.bytes_per_sync())} handed to the all-reduce per sync",
+            f"{human_bytes(self.bytes_per_sync())} handed to the "
+            f"{'reduce-scatters' if first.seen['sharded'] else 'all-reduce'} per sync",
         ]
+        if first.seen["sharded"]:
+            lines.append("the model under FSDP2's fully_shard: its reduce-scatters are the syncs, its shards averaged")
+        if first.seen.get("made_by"):
+            lines.append(f"the DDP model made by {first.seen['made_by']}, whose loop ran the windows")
         if first.seen.get("script_hook"):
             lines.append(f"the script's communication hook {first.seen['script_hook']} ran inside the watcher's count")
         return lines
@@ -188,7 +223,7 @@ def judge_samples(context):
     new epoch's order (set_epoch before it)."""
     for rank, mine in enumerate(context.observed["ranks"]):
         orders = {}  # per sampler, the orders its training passes delivered
-        for sampler, epoch, shuffle, order, trained in mine["sampler_passes"]:
+        for sampler, epoch, shuffle, order, _, trained in mine["sampler_passes"]:
             if not (shuffle and trained):  # an evaluation's loader, or one peeked at, may repeat its order
                 continue
             if order in orders.setdefault(sampler, set()):
@@ -206,12 +241,18 @@ def judge_samples(context):
                     f"ranks {a} and {b} trained on the same inputs in all {len(prints[a])} forwards: each rank must "
                     f"read its own shard (a DistributedSampler, or data split by rank)"
                 )
-    passes = sum(trained for *_, trained in context.observed["ranks"][0]["sampler_passes"])
+    trained = [record for record in context.observed["ranks"][0]["sampler_passes"] if record[-1]]
     sampled = (
-        f"; {passes} training passes over a DistributedSampler on rank 0, each in a new order"
-        if passes
+        f"; {len(trained)} training passes over a DistributedSampler on rank 0, each in a new order"
+        if trained
         else "; no DistributedSampler in training"
     )
+    # Who set the epoch before each later pass (the first runs at the sampler's own epoch 0): a framework's loop
+    # that sets it leaves the script nothing to forget.
+    firsts = {sampler: index for index, (sampler, *_) in reversed(list(enumerate(trained)))}
+    setters = {record[4] for index, record in enumerate(trained) if firsts[record[0]] != index}
+    if setters and None not in setters:
+        sampled += f"; set_epoch: — ({' and '.join(sorted(setters))} set it before every pass, not the script)"
     return PASS, f"each rank's inputs its own in every forward{sampled}"
 
 
@@ -262,9 +303,11 @@ def judge_resets(context):
         if seen["steps_before_backward"]:
             loop.refuse(seen["steps_before_backward"][0], "the optimizer stepped between its forward and its backward")
         fresh = set(from_progressions(seen["fresh_at_backward"]))
-        for window in [*loop.windows, loop.trailing]:
+        for number, window in enumerate([*loop.windows, loop.trailing]):
             backwards = [index for index in window if index in loop.losses]
-            if backwards and backwards[0] not in fresh:
+            # FSDP keeps a window's unsynchronized gradients unsharded, beyond zero_grad()'s reach: item 6 names it.
+            unsynced_before = number and loop.seen["sharded"] and loop.windows[number - 1][-1] not in loop.syncs
+            if backwards and backwards[0] not in fresh and not unsynced_before:
                 loop.refuse(
                     backwards[0], "its backward added onto the last window's gradients (no zero_grad() after the step)"
                 )
@@ -332,6 +375,12 @@ def judge_last_synced(context):
                         "it did not synchronize: its forward ran with DDP's sync off (the flag set back on only "
                         "after the forward; DDP decides at the forward), so the step took this rank's own gradients",
                     )
+                if loop.seen["sharded"]:
+                    loop.refuse(
+                        index,
+                        "it did not synchronize (its backward with FSDP's gradient sync off: "
+                        "set_requires_gradient_sync(True) before it): the step did not take the ranks' mean gradient",
+                    )
                 loop.refuse(
                     index,
                     "it did not synchronize (its forward and backward inside no_sync()): the step took this rank's "
@@ -343,12 +392,27 @@ def judge_last_synced(context):
             raise Refusal(
                 f"rank {loop.rank}, optimizer step {off['optimizer_step']}: the synchronized gradient's projection "
                 f"{off['synced']!r} is not the mean of the ranks' local ones {off['mean_of_ranks']!r} (bound "
-                f"{off['bound']!r}): the reduction did not average"
+                f"{off['bound']!r}): the reduction did not average{summed(context, loop, off)}"
             )
     return (
         PASS,
         f"each window's last micro-batch synchronized: the ranks' mean, at {context.loops[0].seen['averages_checked']} steps",
     )
+
+
+def summed(context, loop, off):
+    """Where the synchronized gradient is the ranks' sum (world_size times their mean, within the bound): said,
+    and on FSDP2 over gloo, why and the correction."""
+    world_size = context.world_size
+    if not abs(off["synced"] - world_size * off["mean_of_ranks"]) <= world_size * off["bound"]:
+        return ""
+    if loop.seen["sharded"] and context.observed["backend"] == "gloo":
+        return (
+            f": it is the {world_size} ranks' sum: torch's FSDP2 hands ReduceOp.AVG to gloo's reduce-scatter, which "
+            f"sums (pytorch/pytorch#162338): call set_force_sum_reduction_for_comms(True) on every FSDP module (it "
+            f"divides by the world size itself)"
+        )
+    return f": it is the {world_size} ranks' sum (a hook that sums without dividing by the world size)"
 
 
 def judge_divisors(context):
@@ -381,12 +445,7 @@ def judge_divisors(context):
                 {f"{1 / weight:.4g}" if weight else "inf" for _, _, weight, _ in weights if weight == weight}
             )
             length = len(loop.windows[number - 1])
-            loop.refuse(
-                index,
-                f"the window's {length} micro-batch losses were each divided by {' or '.join(divisors) or 'nothing read'}: "
-                f"they weigh {total:.4g} means over the window and the ranks, where they must weigh one (divide each "
-                f"mean loss by {length}, the window's length, or normalize by its items over the window and the ranks)",
-            )
+            loop.refuse(index, unweighed(context, weights, length, divisors, total))
         per_item = [weight / items for _, _, weight, items in weights if items]
         if per_item and max(per_item) > min(per_item) * (1 + WEIGHT_TOLERANCE) and unequal is None:
             unequal = number
@@ -396,6 +455,36 @@ def judge_divisors(context):
             f"the others'): the losses still sum to one mean; per-item normalization would weigh every item alike"
         )
     return PASS, f"every window's losses weigh one mean ({len(loops[0].windows)} windows)"
+
+
+def unweighed(context, weights, length, divisors, total):
+    """Why a window's losses weigh `total` means, not one: the framework's fixed divisor of a short window, a
+    per-item normalization over a count the losses do not hold, or the divisors themselves."""
+    framework = context.loops[0].seen.get("made_by")
+    if length < context.length and divisors == [str(context.length)] and framework in FRAMEWORK_FIXED_DIVISORS:
+        return (
+            f"the window's {length} micro-batch losses were each divided by {context.length}, the full window's "
+            f"length: they weigh {total:.4g} means over the window and the ranks: {FRAMEWORK_FIXED_DIVISORS[framework]}"
+        )
+    items = [count for _, _, _, count in weights]
+    per_item = [weight / count for _, _, weight, count in weights if count]
+    if (
+        len(per_item) == len(weights)
+        and len(set(items)) > 1
+        and max(per_item) <= min(per_item) * (1 + WEIGHT_TOLERANCE)
+    ):  # every item weighed alike: a per-item normalization, over a count other than the losses' items
+        assumed = context.world_size / per_item[0]
+        return (
+            f"the window's {length} micro-batch losses weighed every item alike, as 1 of {assumed:.6g} items over "
+            f"the window and the ranks, where its losses count {sum(items)}: they weigh {total:.4g} means (normalize "
+            f"by the items the loss counts: a count with targets the loss ignores or shifts out weighs the window "
+            f"short)"
+        )
+    return (
+        f"the window's {length} micro-batch losses were each divided by {' or '.join(divisors) or 'nothing read'}: "
+        f"they weigh {total:.4g} means over the window and the ranks, where they must weigh one (divide each "
+        f"mean loss by {length}, the window's length, or normalize by its items over the window and the ranks)"
+    )
 
 
 def loss_scale_bounds_any():
