@@ -36,6 +36,10 @@ PLAIN_CASES = (
     "resumed",
     "eval_sampler",
     "mse",
+    "grad_scaler",
+    "grad_scaler_not_divided",
+    "sgd_nesterov",
+    "manual_update",
 )
 # Each mistake: its correct twin, the item it breaks, and the refusal's start (rank, window, micro-batch: what).
 REFUSED = {
@@ -85,6 +89,12 @@ REFUSED = {
         "rank 0, window 2, micro-batch 1 of 4: it synchronized although its forward and backward ran with DDP's "
         "sync off: an earlier forward with the sync on and gradients enabled was followed by no backward",
     ),
+    "grad_scaler_not_divided": (
+        "grad_scaler",
+        4,
+        "rank 0, window 1, micro-batch 1 of 4: the window's 4 micro-batch losses were each divided by 1: they "
+        "weigh 4 means over the window and the ranks",
+    ),
     "extra_step": ("no_sync", 8, "rank 0, optimizer step 2: it followed step 1 with no backward between"),
     "skipped_step": (
         "no_sync",
@@ -110,6 +120,14 @@ FOUND = {
     "two_optimizers": ["per rank 24 training forwards, 6 optimizer steps", "syncs: 6 on rank 0 (1 per window)"],
     "resumed": ["6 steps per rank, one per window of 4"],
     "eval_sampler": ["2 training passes over a DistributedSampler on rank 0, each in a new order"],
+    "sgd_nesterov": ["6 steps per rank, one per window of 4", "syncs: 6 on rank 0 (1 per window)"],
+    # the scaled loss read at its divisor, the unscaled gradients expected at the step, 2 skipped steps seen
+    "grad_scaler": [
+        "6 steps per rank, one per window of 4",
+        "note: 2 optimizer steps skipped by GradScaler (inf or NaN gradients): their windows ended with no update, "
+        "their averages not compared",
+        "each window's last micro-batch synchronized: the ranks' mean, at 4 steps",
+    ],
 }
 # The lab's own train.py under the watcher (the shared experiment's size): both modes, and its loop broken beneath
 # it (tests/inject/sitecustomize.py's LAB_TEST_BROKEN_LOOP), each refused at the item its mistake breaks.
@@ -291,6 +309,11 @@ def test_the_script_runs_as_python_runs_it_its_failures_its_own(watched):
     assert plain["stdout"].splitlines()[0] == f"['an argument', '--', '--an-option'] {watched['scripts']}"
     assert plain["status"] == 1 and last_line(plain).startswith(
         "NOTHING AUDITED: the script made no DistributedDataParallel model"
+    )
+    by_hand, _ = watched["manual_update"]
+    assert (by_hand["status"], last_line(by_hand)) == (
+        1,
+        "NOTHING AUDITED: the model's weights changed with no torch optimizer's step: its windows are read at steps",
     )
     failing, _ = watched["torn_down_failing"]
     assert (failing["status"], last_line(failing)) == (

@@ -32,6 +32,8 @@ CASES = {
     "fsdp2": ("fsdp2_loop.py", "accumulate"),
     "fsdp2_gloo_sum": ("fsdp2_loop.py", "gloo_sum"),
     "fsdp2_never_set_back": ("fsdp2_loop.py", "never_set_back"),
+    "fsdp2_clipped": ("fsdp2_loop.py", "clipped"),
+    "fsdp2_teacher": ("fsdp2_loop.py", "teacher"),
 }
 # What each framework's correct loop was found to be (the report's lines under its title).
 FOUND = {
@@ -55,6 +57,10 @@ FOUND = {
         "syncs: 6 on rank 0 (1 per window), 848 B handed to the reduce-scatters per sync",
         "the model under FSDP2's fully_shard: its reduce-scatters are the syncs, its shards averaged",
     ],
+    # clip_grad_norm_ over the shards at every step: the clipped shards over the factor are the ranks' mean
+    "fsdp2_clipped": ["syncs: 6 on rank 0 (1 per window), 848 B handed to the reduce-scatters per sync"],
+    # a frozen model under fully_shard, called first: the student is adopted, the teacher's all-gathers no syncs
+    "fsdp2_teacher": ["syncs: 6 on rank 0 (1 per window), 848 B handed to the reduce-scatters per sync"],
 }
 # Each mistake: its correct twin, the item it breaks, and the refusal's start.
 REFUSED = {
@@ -185,9 +191,9 @@ def test_lightning_started_by_plain_python_is_refused_in_one_line_naming_torchru
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("python -m ddp_no_sync_lab.watch")]
     assert lines == [
-        "python -m ddp_no_sync_lab.watch: error: the script made a DDP model over 2 ranks in a process no launcher "
-        "gave a rank: it started the other ranks itself (as Lightning does under plain python), and they run "
-        "without the watcher: launch it with torchrun --nproc-per-node=2 -m ddp_no_sync_lab.watch SCRIPT"
+        "python -m ddp_no_sync_lab.watch: error: the script made a model over 2 ranks, and the others did not answer "
+        "the watcher in 20 s: the script started them itself (as Lightning does under plain python), without the "
+        "watcher: launch it with torchrun --nproc-per-node=2 -m ddp_no_sync_lab.watch SCRIPT (DistStoreError)"
     ]
     assert "AUDIT" not in result.stdout
 

@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
@@ -175,6 +176,7 @@ class Witness:
         self.synced_read = None  # [F, Q] of the synchronized gradient, read as DDP's backward ended
         self.clippable = False  # the gradients held are the window's synchronized ones, read, untouched since
         self.clipped = None  # what a clip of them makes of the expectation, and its factor: held at the step alone
+        self.held_shards = False  # the gradients last read were FSDP's shards of the synced one
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
         self.module.register_forward_pre_hook(HeldHook(self.on_forward), with_kwargs=True)
@@ -318,11 +320,22 @@ class Witness:
         clipped; anywhere else (local gradients, part of the model, a backward next) the next read finds them
         altered."""
         self.close_backward()
+        if isinstance(factor, DTensor):  # clip_grad_norm_ over FSDP's shards: its total norm is every rank's
+            factor = factor.full_tensor()
         held = {id(p) for p in self.parameters if p.grad is not None}
+        if self.expectation == ("synced",) and held and held <= clipped and torch.isfinite(factor):
+            # FSDP's shards, first read here, clipped already: the synchronized gradient is what they hold over the
+            # factor; what the step must take, what they hold.
+            now, _, sharded = self.projection.held()
+            factor = factor.to(self.device, torch.float64)
+            self.window[SYNCED_F] += now[0] / factor
+            self.clipped, self.clippable = (*self.as_read(now, sharded), factor), True
+            return
         if self.clippable and held and held <= clipped and torch.isfinite(factor):
             _, expected, bound, norm, so_far = self.clipped or (*self.expectation, 1.0)
             factor = factor.to(self.device, torch.float64)
-            rounding = self.gradient_rounding(norm * factor)
+            # A shard's projection weighs world_size (Projection.held): so does its rounding.
+            rounding = self.gradient_rounding(norm * factor) * (self.comm_audit.world_size if self.held_shards else 1)
             self.clipped = ("local", expected * factor, bound * factor + rounding, norm * factor, so_far * factor)
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
@@ -395,6 +408,7 @@ class Witness:
         """From here on the gradients must stay as read (only a reset or a backward may change them): the same
         values projected again give the same sum, within the float64 sum's own rounding."""
         weight = self.comm_audit.world_size if sharded else 1
+        self.held_shards = sharded
         norm = now[1].sqrt()
         return ("local", now[0], norm * 2 * self.projection.dot_slack * weight, norm)
 

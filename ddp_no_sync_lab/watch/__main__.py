@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
 from ddp_no_sync_lab.files import json_bytes, write_atomic
-from ddp_no_sync_lab.watch.observe import Watch
+from ddp_no_sync_lab.watch.observe import LaunchError, Watch
 from ddp_no_sync_lab.watch.report import Verdict
 from ddp_no_sync_lab.watch.verdict import judge
 
@@ -72,7 +72,7 @@ def run_script(script, script_args):
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         return exit_status(stop.code)
-    except LabError:  # the watcher's own refusal to watch the script as it was launched
+    except LaunchError:  # the watcher's own refusal to watch the script as it was launched
         raise
     except BaseException as error:  # noqa: BLE001 - reported as Python reports a script's uncaught exception
         frames = error.__traceback__  # from the script's first frame on (none for a script that does not compile)
@@ -83,9 +83,10 @@ def run_script(script, script_args):
     return 0
 
 
-def report(verdict, script, script_args, observed, out):
-    """The report, and with --out the record, by global rank 0."""
-    if int(os.environ.get("RANK", "0")) != 0:
+def report(verdict, script, script_args, observed, out, rank):
+    """The report, and with --out the record, by global rank 0 (`rank`: the watcher's, where it saw a process
+    group; else the launcher's)."""
+    if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
         return
     print(verdict.report(script.name), flush=True)
     if out is not None:
@@ -110,7 +111,7 @@ def main(argv=None):
     if status:
         return status
     verdict = judged(watch)
-    report(verdict, options.script, script_args, watch.observed, options.out)
+    report(verdict, options.script, script_args, watch.observed, options.out, watch.rank)
     return 0 if verdict.passed else 1
 
 

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -34,6 +35,7 @@ from ddp_no_sync_lab.strategies import fsdp
 # A launcher's rank in the environment at the start (torchrun's, SLURM's, Open MPI's, MPICH's): without one, a
 # script whose DDP model spans several ranks started the others itself, without the watcher.
 LAUNCHER_RANKS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+HANDSHAKE_TIMEOUT = timedelta(seconds=20)  # how long the ranks a launcher did not start have to answer the watcher
 # The longest a rank waits for the others in the watcher's own collectives (a window's average, the exchange at
 # exit): longer than a rank's last evaluation or save before its teardown; ranks stopped apart end, never hang.
 EXCHANGE_TIMEOUT = timedelta(minutes=30)
@@ -106,6 +108,19 @@ class ShardedView:
         return fsdp.unsharded_parameters(self.module)
 
 
+class LaunchError(LabError):
+    """The script's ranks cannot all be watched as it was launched: said in one line, the process ended at once (its
+    own ranks wait on it in DDP's collectives)."""
+
+    def __init__(self, message):
+        super().__init__(message, broken_process=True)
+
+
+def local_sums(parameters):
+    """Each parameter's sum in float64 (a shard's, FSDP's): the weights' print, which any update changes."""
+    return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().sum() for p in parameters])
+
+
 SLOTS = weakref.WeakKeyDictionary()  # each adopted DDP model's hook slot
 DDP_REGISTER_COMM_HOOK = DistributedDataParallel.register_comm_hook  # DDP's own, beneath the watcher's patch
 
@@ -124,6 +139,9 @@ class LoopWitness(face.Witness):
         self.unreadable_losses = 0  # cross-entropies read as no plain mean (weights, smoothing, probabilities)
         self.last_step = None  # (forwards seen, optimizer) at the last step taken: a second optimizer's joins it
         self.made_by = outermost_framework(sys._getframe())  # the framework that made the DDP model, if one did
+        self.scaled_by = None  # a GradScaler's scale on the last loss read, until its backward reads it
+        self.weights_at_start = local_sums(self.parameters)  # an update made without a torch optimizer shows
+        self.skipped_steps = 0  # steps a GradScaler skipped on inf or NaN gradients: windows ended, no update
 
     def on_forward(self, module, positional, keywords):
         if self.training():
@@ -150,6 +168,18 @@ class LoopWitness(face.Witness):
     def on_logits_gradient(self, logits, targets, ignore_index, gradient):
         self.flags_at_backward.append(bool(self.ddp_model.require_backward_grad_sync))
         super().on_logits_gradient(logits, targets, ignore_index, gradient)
+        if self.scaled_by is not None:  # a GradScaler multiplied the loss: its divisor read that many times smaller
+            scale = self.scaled_by.to(self.device, torch.float64)
+            self.trace.loss_scales[-1] = self.trace.loss_scales[-1] * torch.stack([scale, scale.new_ones(()), scale])
+            self.scaled_by = None
+
+    def on_skipped_step(self, optimizer):
+        """A GradScaler's step skipped on inf or NaN gradients: the window ends with no update, and its average
+        (of gradients the step did not take) is not compared."""
+        self.on_step_begin(optimizer, (), {})
+        self.trace.averages.pop()
+        self.on_step_end(optimizer, (), {})
+        self.skipped_steps += 1
 
     def bind(self, optimizer):
         """The first optimizer seen stepping this model's parameters: its own update count from here on."""
@@ -194,6 +224,8 @@ class LoopWitness(face.Witness):
             and "step" in self.optimizer.state.get(self.parameters[0], {}),
             "script_hook": getattr(slot.hook, "__name__", "?") if slot is not None and slot.registered else None,
             "made_by": self.made_by,
+            "skipped_steps": self.skipped_steps,
+            "weights_changed": bool((local_sums(self.parameters) != self.weights_at_start).any()),
         }
 
 
@@ -208,7 +240,9 @@ class Watch:
     def __init__(self):
         self.witnesses = []
         self.declined = []  # DDP models not watched, and why
-        self.unit_hooks = []  # on each FSDP unit until one is called: the root's first forward adopts it
+        self.unit_hooks = {}  # per FSDP unit, until its model's root is called: that call adopts the root
+        self.syncs_unattributed = None  # why the syncs cannot be attributed to the model judged, where they cannot
+        self.rank = None  # this process's global rank, once it made a process group
         self.group = None  # the watcher's own process group
         # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order, who set its epoch]
         self.sampler_passes = []
@@ -218,6 +252,8 @@ class Watch:
         self.trained_passes = set()  # passes a training forward followed a batch of
         self.of_optimizer = weakref.WeakKeyDictionary()
         self.step_depth = 0  # optimizers' steps under way (a wrapper's step runs its inner optimizer's)
+        self.steps_ended = 0  # optimizer steps taken (outermost), for a GradScaler's skipped one to show
+        self.stepping, self.step_read = [], False  # the witnesses of the step under way; its gradients read yet
         self.observed = None  # every rank's observations, once exchanged
         self.torn_down_failing = False  # the script tore the default group down while handling an exception
         self.launched = any(name in os.environ for name in LAUNCHER_RANKS)  # this process given its rank
@@ -234,13 +270,7 @@ class Watch:
         """A DDP model the script made, or the ShardedView of an FSDP2 root (a collective: every rank makes it, or
         calls it first): its syncs counted, witnessed."""
         if dist.get_world_size() > 1 and not self.launched:
-            raise LabError(
-                f"the script made a DDP model over {dist.get_world_size()} ranks in a process no launcher gave a "
-                f"rank: it started the other ranks itself (as Lightning does under plain python), and they run "
-                f"without the watcher: launch it with torchrun --nproc-per-node={dist.get_world_size()} -m "
-                f"ddp_no_sync_lab.watch SCRIPT",
-                broken_process=True,  # ended at once: its own ranks wait on it in DDP's collectives
-            )
+            self.check_every_rank_watched()
         if dist.get_world_size(ddp_model.process_group) != dist.get_world_size():
             self.declined.append(
                 "a DDP model over a subgroup of the ranks (not watched: the watcher's exchange spans all)"
@@ -248,6 +278,8 @@ class Watch:
             return
         if self.group is None:
             self.group = dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
+        self.rank = dist.get_rank()
+        self.of_optimizer = weakref.WeakKeyDictionary()  # an optimizer that stepped before may update this model
         device = next(ddp_model.module.parameters()).device
         comm_audit = face.CommAudit(dist.get_world_size(), group=self.group)
         if isinstance(ddp_model, ShardedView):
@@ -260,21 +292,59 @@ class Watch:
         witness.begin_epoch(face.EpochTrace())
         self.witnesses.append(witness)
 
+    def check_every_rank_watched(self):
+        """Where no launcher gave this process its rank, the script may have started the others itself, without the
+        watcher (Lightning under plain python, a spawn of its own): every rank must join the watcher's handshake,
+        a group of its own, in a short time (the ranks have just passed DDP's construction together)."""
+        try:
+            dist.new_group(backend="gloo", timeout=HANDSHAKE_TIMEOUT)
+        except Exception as error:  # noqa: BLE001 - gloo says only that the others never came
+            world_size = dist.get_world_size()
+            raise LaunchError(
+                f"the script made a model over {world_size} ranks, and the others did not answer the watcher in "
+                f"{HANDSHAKE_TIMEOUT.seconds} s: the script started them itself (as Lightning does under plain "
+                f"python), without the watcher: launch it with torchrun --nproc-per-node={world_size} -m "
+                f"ddp_no_sync_lab.watch SCRIPT ({type(error).__name__})"
+            ) from None
+
     def on_fully_shard(self, module):
-        """A module fully_shard made an FSDP unit: the first unit called is the root (the others run inside its
-        forward), adopted at that call, before FSDP's own pre-forward hook: the witnesses take the parameters as
+        """A module fully_shard made an FSDP unit: the first unit called is its model's root (the others run inside
+        its forward), adopted at that call, before FSDP's own pre-forward hook: the witnesses take the parameters as
         fully_shard left them, before FSDP's lazy initialization (as the lab's attach takes them)."""
-        self.unit_hooks.append(
-            module.register_forward_pre_hook(self.on_first_sharded_call, prepend=True, with_kwargs=True)
+        self.unit_hooks[module] = module.register_forward_pre_hook(
+            self.on_first_sharded_call, prepend=True, with_kwargs=True
         )
 
     def on_first_sharded_call(self, module, positional, keywords):
-        for handle in self.unit_hooks:
-            handle.remove()
-        self.unit_hooks.clear()
+        """The root of a model under fully_shard, called: the first with parameters to train is adopted; a frozen
+        one (a teacher, a reference model) is let be; a second trained one makes the syncs unattributable (its
+        reduce-scatters are counted with the first's)."""
+        if not any(p.requires_grad for p in module.parameters()):
+            self.release_units(module)
+            return
+        if any(isinstance(witness.ddp_model, ShardedView) for witness in self.witnesses):
+            if module.training and torch.is_grad_enabled():
+                self.release_units(module)
+                self.syncs_unattributed = (
+                    "two models under fully_shard trained: their reduce-scatters are not told apart"
+                )
+            return
+        self.release_units(module)
+        if next(module.parameters()).device_mesh.ndim > 1:
+            self.declined.append(
+                "a model under fully_shard over a 2-D mesh (HSDP, or with tensor parallelism): not watched"
+            )
+            return
         self.adopt(ShardedView(module))
         if self.witnesses and self.witnesses[-1].module is module:  # its first forward began before its hook
             self.witnesses[-1].on_forward(module, positional, keywords)
+
+    def release_units(self, root):
+        """The first-call hooks of `root` and of the units inside it, removed."""
+        for unit in list(root.modules()):
+            handle = self.unit_hooks.pop(unit, None)
+            if handle is not None:
+                handle.remove()
 
     # -- the events
 
@@ -286,23 +356,67 @@ class Watch:
         return self.of_optimizer[optimizer]
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
+        """A step's gradients read as it begins (an optimizer may change them as it updates: SGD's Nesterov
+        momentum does, in place); a step given a closure, as the closure returns: the closure runs the window's
+        last forward and backward inside step() (Lightning's does), before the update."""
         self.step_depth += 1
-        if self.step_depth == 1:  # its updates counted from before its first
-            for witness in self.witnesses_of(optimizer):
-                if witness.optimizer is None:
-                    witness.bind(optimizer)
+        if self.step_depth > 1:  # an inner optimizer's step inside a wrapper's: one step
+            return None
+        self.stepping = [witness for witness in self.witnesses_of(optimizer) if not witness.joins_last_step(optimizer)]
+        for witness in self.stepping:
+            if witness.optimizer is None:  # its updates counted from before its first
+                witness.bind(optimizer)
+        # torch's hooks see step()'s arguments with the optimizer first: (optimizer, closure?)
+        closure = step_kwargs.get("closure", step_args[1] if len(step_args) > 1 else None)
+        self.step_read = False
+        if closure is None:
+            self.read_step(optimizer)
+            return None
+
+        def closure_read(*args, **kwargs):
+            loss = closure(*args, **kwargs)
+            self.read_step(optimizer)
+            return loss
+
+        if "closure" in step_kwargs:
+            return step_args, {**step_kwargs, "closure": closure_read}
+        return (step_args[0], closure_read, *step_args[2:]), step_kwargs
+
+    def read_step(self, optimizer):
+        """The gradients the step takes, read once (an optimizer that calls its closure again reads nothing more)."""
+        if not self.step_read:
+            self.step_read = True
+            for witness in self.stepping:
+                witness.on_step_begin(optimizer, (), {})
 
     def on_step_end(self, optimizer, step_args, step_kwargs):
-        """A step read as it ends: a closure may run the window's last forward and backward inside step()
-        (Lightning's does, between the step's pre- and post-hooks); the gradients the update took are read then."""
         self.step_depth -= 1
-        if self.step_depth > 0:  # an inner optimizer's step inside a wrapper's: one step
+        if self.step_depth > 0:
             return
+        self.read_step(optimizer)  # a closure the step never called
+        self.steps_ended += 1
+        for witness in self.stepping:
+            witness.on_step_end(optimizer, step_args, step_kwargs)
+
+    def on_loss_scaled(self, scale):
+        """A GradScaler multiplied a loss by `scale` (a tensor) before its backward."""
+        for witness in self.witnesses:
+            witness.scaled_by = scale.detach().clone()
+
+    def on_unscaled(self, optimizer, scale):
+        """A GradScaler divided the optimizer's gradients by `scale` in place: expected of them at the step, as a
+        clip is."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for witness in self.witnesses_of(optimizer):
+            witness.on_clip(stepped, scale.double().reciprocal())
+
+    def on_skipped_step(self, optimizer):
         for witness in self.witnesses_of(optimizer):
             if witness.joins_last_step(optimizer):
                 continue
-            witness.on_step_begin(optimizer, step_args, step_kwargs)
-            witness.on_step_end(optimizer, step_args, step_kwargs)
+            if witness.optimizer is None:
+                witness.bind(optimizer)
+            witness.on_skipped_step(optimizer)
 
     def on_loss(self, call, output):
         """A cross-entropy the script computed: read as a mean (or a sum) over its targets but those ignored, where
@@ -337,9 +451,10 @@ class Watch:
         the hooks' callbacks let finish (face.settle's reason: gloo's threads need the GIL at exit)."""
         if self.observed is not None or not dist.is_initialized():
             return
+        self.rank = dist.get_rank()
         models = [witness.end_epoch() for witness in self.witnesses]
         passes = [[*record, number in self.trained_passes] for number, record in enumerate(self.sampler_passes)]
-        mine = {"sampler_passes": passes, "declined": self.declined}
+        mine = {"sampler_passes": passes, "declined": self.declined, "syncs_unattributed": self.syncs_unattributed}
         group = self.group if self.group is not None else dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
@@ -357,7 +472,7 @@ def patch_process():
     """The watcher's taps, once per process, each reporting to Watch.active: DDP's constructor and its hook
     registration, every optimizer's step (torch's global step hooks), torch's cross_entropy (a module's call
     reaches it too), a DataLoader's pass over a DistributedSampler and each batch it hands over, the default
-    group's teardown (the exchange first), and FSDP2's fully_shard."""
+    group's teardown (the exchange first), FSDP2's fully_shard, and GradScaler's scale, unscale and step."""
     ddp_init = DistributedDataParallel.__init__
 
     @functools.wraps(ddp_init)
@@ -390,7 +505,7 @@ def patch_process():
     DistributedDataParallel.__init__ = __init__
     DistributedDataParallel.register_comm_hook = watched_register_comm_hook
     DistributedDataParallel._register_builtin_comm_hook = watched_builtin_comm_hook
-    register_optimizer_step_pre_hook(lambda *event: Watch.active.on_step_begin(*event))
+    register_optimizer_step_pre_hook(lambda *event: Watch.active.on_step_begin(*event))  # may wrap the closure
     register_optimizer_step_post_hook(lambda *event: Watch.active.on_step_end(*event))
     cross_entropy = F.cross_entropy
     signature = inspect.signature(cross_entropy)
@@ -405,6 +520,38 @@ def patch_process():
     patch_loaders()
     patch_teardown()
     patch_fully_shard()
+    patch_grad_scaler()
+
+
+def patch_grad_scaler():
+    """torch.amp.GradScaler as the witnesses must read it: the loss it scales (its divisor read times the scale),
+    the gradients it unscales in place (expected at the step, as a clip), the step it skips on inf or NaN
+    gradients (a window's end with no update)."""
+    scaler_class = torch.amp.GradScaler
+    scale, unscale, step = scaler_class.scale, scaler_class.unscale_, scaler_class.step
+
+    @functools.wraps(scale)
+    def watched_scale(scaler, outputs):
+        scaled = scale(scaler, outputs)
+        if scaler.is_enabled() and isinstance(outputs, torch.Tensor):
+            Watch.active.on_loss_scaled(scaler._scale)
+        return scaled
+
+    @functools.wraps(unscale)
+    def watched_unscale(scaler, optimizer):
+        unscale(scaler, optimizer)
+        if scaler.is_enabled():
+            Watch.active.on_unscaled(optimizer, scaler._scale)
+
+    @functools.wraps(step)
+    def watched_step(scaler, optimizer, *args, **kwargs):
+        ended = Watch.active.steps_ended
+        result = step(scaler, optimizer, *args, **kwargs)
+        if scaler.is_enabled() and Watch.active.steps_ended == ended:
+            Watch.active.on_skipped_step(optimizer)
+        return result
+
+    scaler_class.scale, scaler_class.unscale_, scaler_class.step = watched_scale, watched_unscale, watched_step
 
 
 def patch_fully_shard():

@@ -16,6 +16,7 @@ from ddp_no_sync_lab.experiment import from_progressions
 from ddp_no_sync_lab.watch.report import FAIL, PASS, UNSEEN, Finding, Verdict, human_bytes
 
 READ_AT_THE_LOSS = (3, 4, 5, 6, 7, 9)  # items whose witnesses begin at a backward seen from the loss it reads
+COUNTED_SYNCS = (5, 6, 9)  # items judged from the syncs counted for the model
 WEIGHT_TOLERANCE = 1e-4  # a window's weights are float32 values read back: far finer than any divisor's error
 
 
@@ -74,17 +75,26 @@ def judge(observed):
     model = models[0]
     loops = [RankLoop(rank, seen) for rank, seen in enumerate(model["ranks"])]
     if not any(loop.windows for loop in loops):
-        if not any(loop.seen["backwards"] for loop in loops):
+        if any(loop.seen["weights_changed"] for loop in loops):
+            verdict.nothing = (
+                "the model's weights changed with no torch optimizer's step: its windows are read at steps"
+            )
+        elif not any(loop.seen["backwards"] for loop in loops):
             verdict.nothing = "no optimizer step on the DDP model's parameters was seen: nothing was trained"
-            return verdict
-        return stepless(verdict, loops, model)
+        else:
+            stepless(verdict, loops)
+        return verdict
     world_size = observed["world_size"]
     context = Context(observed, model, loops, world_size)
     unread = context.losses_unread()
+    unattributed = observed["ranks"][0].get("syncs_unattributed")
     unjudged = []
     for number, judge_item in ITEM_JUDGES.items():
         if unread is not None and number in READ_AT_THE_LOSS:
             verdict.findings[number] = Finding(UNSEEN, unread)
+            continue
+        if unattributed is not None and number in COUNTED_SYNCS:
+            verdict.findings[number] = Finding(UNSEEN, unattributed)
             continue
         try:
             mark, seen = judge_item(context)
@@ -96,6 +106,8 @@ def judge(observed):
             unjudged.append(str(number))
     if unread is not None:
         verdict.unobserved = f"items {', '.join(map(str, READ_AT_THE_LOSS))} were not observed: {unread}"
+    elif unattributed is not None:
+        verdict.unobserved = f"items {', '.join(map(str, COUNTED_SYNCS))} were not observed: {unattributed}"
     elif unjudged:
         verdict.unobserved = f"items {', '.join(unjudged)} were not judged (the watcher failed on them)"
     verdict.found = context.found()
@@ -116,8 +128,9 @@ FRAMEWORK_FIXED_DIVISORS = {
 }
 
 
-def stepless(verdict, loops, model):
-    """Backwards and no optimizer step: nothing was updated (item 8); the items a window's end decides, unseen."""
+def stepless(verdict, loops):
+    """Backwards, no optimizer step, the weights as they began: nothing was updated (item 8); the items a window's
+    end decides, unseen."""
     loop = loops[0]
     framework = loop.seen.get("made_by")
     why = f": {FRAMEWORK_STEPS[framework]}" if framework in FRAMEWORK_STEPS else " (a step() never called, or skipped)"
@@ -128,7 +141,6 @@ def stepless(verdict, loops, model):
     for number in ITEM_JUDGES:
         verdict.findings[number] = Finding(UNSEEN, "no window: no optimizer step was seen")
     verdict.findings[8] = Finding(FAIL, refusal.split(": ", 1)[-1], refusal)
-    return verdict
 
 
 @dataclass
@@ -284,11 +296,16 @@ def judge_steps(context):
                     f"it synchronized as a window's last micro-batch does (its forward and backward with DDP's sync "
                     f"on) and no step followed (a step() skipped): its window held {len(window)} micro-batches",
                 )
-        counted = loop.seen.get("optimizer_state_steps")
-        if loop.seen.get("optimizer_counts_steps") and counted != len(loop.windows):
+        counted, skipped = loop.seen.get("optimizer_state_steps"), loop.seen["skipped_steps"]
+        if loop.seen.get("optimizer_counts_steps") and counted != len(loop.windows) - skipped:
             raise Refusal(
                 f"rank {loop.rank}: the optimizer's state counted {counted} updates, its step hooks "
-                f"{len(loop.windows)} (an update inside step() run twice, or skipped)"
+                f"{len(loop.windows) - skipped} (an update inside step() run twice, or skipped)"
+            )
+        if skipped and loop.rank == 0:
+            context.notes.append(
+                f"{skipped} optimizer steps skipped by GradScaler (inf or NaN gradients): their windows ended with no "
+                f"update, their averages not compared"
             )
         if loop.trailing and loop.rank == 0:
             context.notes.append(f"{len(loop.trailing)} micro-batches after the last step reached no step")

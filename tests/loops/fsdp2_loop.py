@@ -11,6 +11,9 @@ and backward of each window's first 3 micro-batches, FSDP's counterpart of DDP's
                      reduce-scatter, which sums, pytorch/pytorch#162338)
     gloo_sum         the documented loop without that setting: on gloo, the ranks' sum
     never_set_back   set_requires_gradient_sync(False) set once before the loop, never set back
+    clipped          the documented loop, its gradients clipped to norm 0.01 before each step (every step clipped)
+    teacher          the documented loop beside a frozen teacher under fully_shard, called first at each
+                     micro-batch under torch.no_grad() (its logits unused)
 """
 
 import argparse
@@ -37,6 +40,9 @@ model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 for layer in (model[0], model[2]):
     fully_shard(layer)
 fully_shard(model)
+teacher = nn.Sequential(nn.Linear(8, 4)).requires_grad_(False)
+if case == "teacher":
+    fully_shard(teacher)
 if case != "gloo_sum":
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -53,9 +59,14 @@ for epoch in range(EPOCHS):
         window_end = (index + 1) % ACCUM == 0
         if case != "never_set_back":
             model.set_requires_gradient_sync(window_end)
+        if case == "teacher":
+            with torch.no_grad():
+                teacher(inputs)
         loss = F.cross_entropy(model(inputs), targets) / ACCUM
         loss.backward()
         if window_end:
+            if case == "clipped":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
             optimizer.step()
             optimizer.zero_grad()
     if dist.get_rank() == 0:

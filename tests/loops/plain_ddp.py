@@ -24,6 +24,11 @@ samples, 2 epochs of 3 windows per rank. --case picks the loop:
     resumed          the optimizer's state loaded from one that stepped before
     eval_sampler     an evaluation loader over a shuffling DistributedSampler, never set_epoch, each epoch
     mse              a regression: MSE against one-hot targets (a loss the watcher does not read)
+    grad_scaler      no_sync under float16 autocast with a GradScaler from a scale of 2**20: its first 2 steps
+                     skipped on inf gradients (the scale halved each time), the loss scaled, the gradients unscaled
+    grad_scaler_not_divided  the same, the loss not divided by the window
+    sgd_nesterov     SGD with Nesterov momentum, foreach (its step changes the gradients in place)
+    manual_update    no optimizer: each window's mean gradient subtracted from the weights by hand
 """
 
 import argparse
@@ -51,6 +56,8 @@ count = world_size * micro_batches * BATCH
 data = TensorDataset(torch.randn(count, 8), torch.randint(0, 4, (count,)))
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if case == "sgd_nesterov":
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, nesterov=True, foreach=True)
 optimizers = [optimizer]
 if case == "two_optimizers":
     optimizers = [torch.optim.AdamW(model.module[index].parameters(), lr=1e-2) for index in (0, 2)]
@@ -61,6 +68,8 @@ if case == "resumed":  # the state a checkpoint would hold: made by an earlier m
     earlier.step()
     optimizer.load_state_dict(earlier.state_dict())
 evaluation = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data))
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, enabled=case.startswith("grad_scaler"))
+half = torch.float16 if case.startswith("grad_scaler") else torch.bfloat16
 criterion = nn.CrossEntropyLoss()
 if case == "mse":
     criterion = lambda logits, targets: nn.functional.mse_loss(logits, nn.functional.one_hot(targets, 4).float())  # noqa: E731
@@ -77,22 +86,33 @@ for epoch in range(EPOCHS):
     for index, (inputs, targets) in enumerate(loader):
         window_end = (index + 1) % ACCUM == 0 or index + 1 == steps
         window_length = ACCUM if index < steps - steps % ACCUM else steps % ACCUM
-        divisor = {"not_divided": 1, "divided_twice": ACCUM * ACCUM, "short_last_by_k": window_length}.get(case, ACCUM)
+        divisor = {
+            "not_divided": 1,
+            "grad_scaler_not_divided": 1,
+            "divided_twice": ACCUM * ACCUM,
+            "short_last_by_k": window_length,
+        }.get(case, ACCUM)
         synced_here = (index % ACCUM == 0) if case == "first_synced" else window_end
         skip = not synced_here and case not in ("every", "backward_only")
         if case == "zero_grad_each":
             optimizer.zero_grad()
         with model.no_sync() if skip else nullcontext():
-            with torch.autocast("cpu", dtype=torch.bfloat16) if case == "bf16" else nullcontext():
+            with torch.autocast("cpu", dtype=half) if case == "bf16" or scaler.is_enabled() else nullcontext():
                 logits = model(inputs)
             loss = criterion(logits.float(), targets) / divisor
             with model.no_sync() if case == "backward_only" and not window_end else nullcontext():
-                loss.backward()
+                scaler.scale(loss).backward()
         if window_end and case == "logging_forward":
             model(inputs).argmax(dim=1)
-        if window_end and not (case == "skipped_step" and index == 2 * ACCUM - 1):
+        if window_end and case == "manual_update":
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter -= 1e-2 * parameter.grad
+                    parameter.grad = None
+        elif window_end and not (case == "skipped_step" and index == 2 * ACCUM - 1):
             for stepped in optimizers:
-                stepped.step()
+                scaler.step(stepped)
+            scaler.update()
             if case == "extra_step":
                 optimizer.step()
             for stepped in optimizers:
