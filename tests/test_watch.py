@@ -40,6 +40,9 @@ PLAIN_CASES = (
     "grad_scaler_not_divided",
     "sgd_nesterov",
     "manual_update",
+    "grad_scaler_fused",
+    "grad_scaler_all_skipped",
+    "hook_halves",
 )
 # Each mistake: its correct twin, the item it breaks, and the refusal's start (rank, window, micro-batch: what).
 REFUSED = {
@@ -95,6 +98,11 @@ REFUSED = {
         "rank 0, window 1, micro-batch 1 of 4: the window's 4 micro-batch losses were each divided by 1: they "
         "weigh 4 means over the window and the ranks",
     ),
+    "hook_halves": (
+        "no_sync",
+        5,
+        "rank 0, window 1, micro-batch 4 of 4: the gradients were not what the backward before left",
+    ),
     "extra_step": ("no_sync", 8, "rank 0, optimizer step 2: it followed step 1 with no backward between"),
     "skipped_step": (
         "no_sync",
@@ -121,6 +129,11 @@ FOUND = {
     "resumed": ["6 steps per rank, one per window of 4"],
     "eval_sampler": ["2 training passes over a DistributedSampler on rank 0, each in a new order"],
     "sgd_nesterov": ["6 steps per rank, one per window of 4", "syncs: 6 on rank 0 (1 per window)"],
+    # a fused AdamW is stepped by the scaler and skips the update itself: the skip told by the scaler's own record
+    "grad_scaler_fused": [
+        "6 steps per rank, one per window of 4",
+        "note: 2 optimizer steps skipped by GradScaler (inf or NaN gradients)",
+    ],
     # the scaled loss read at its divisor, the unscaled gradients expected at the step, 2 skipped steps seen
     "grad_scaler": [
         "6 steps per rank, one per window of 4",
@@ -293,6 +306,17 @@ def test_a_loss_it_does_not_read_leaves_its_items_unobserved_and_the_audit_incom
         "backwards, syncs and divisors are read at it"
     )
     assert [number for number, mark in marks(rank0).items() if mark == "✓"] == [1, 2, 8]
+
+
+@pytest.mark.torchrun
+def test_a_run_whose_every_step_gradscaler_skipped_leaves_the_updates_unobserved(watched):
+    rank0, rank1 = watched["grad_scaler_all_skipped"]
+    assert (rank0["status"], rank1["status"]) == (1, 1)
+    assert last_line(rank0) == (
+        "AUDIT INCOMPLETE: items 6, 8 were not observed: every one of the 6 steps was skipped by GradScaler (inf or "
+        "NaN gradients)"
+    )
+    assert [number for number, mark in marks(rank0).items() if mark == "—"] == [6, 8, 10]
 
 
 @pytest.mark.torchrun

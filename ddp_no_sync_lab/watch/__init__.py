@@ -4,10 +4,15 @@
 
 Its modules, bottom up:
 
-    observe    the audit's witnesses put on whatever the script makes (every DDP model, optimizer, cross-entropy,
-               DistributedSampler), through the audit's face, and every rank's observations exchanged at its teardown
+    witness    the watcher's witness on one model (the audit's, extended): DDP's sync flag, each loss's items, the
+               inputs' fingerprint; a DDP model's counting slot, an FSDP2 root's view, the framework that made it
+    observe    the witnesses put on whatever the script makes (every DDP model and FSDP2 root, optimizer,
+               cross-entropy, GradScaler, DistributedSampler), through the audit's face, and every rank's
+               observations exchanged at its teardown
     report     the verdict as printed: the ten items' findings, what the loop was found to be, the last line
-    verdict    the ten items judged from what happened: windows from the steps, syncs from DDP's hook, divisors
-               from the losses
+    items      the ten items, each judged on its own from the ranks' loops: its mark, or the refusal that says
+               where and what
+    verdict    the ranks' loops read from what happened (windows from the steps, syncs from the hook, divisors
+               from the losses), the items judged on them, the first refusal named
     __main__   the launcher: the script run as `python SCRIPT` runs it, its exit status passed through
 """

@@ -1,11 +1,12 @@
-"""What the watcher puts into a script's process before its first line, through the audit's face: a witness on
-every DDP model the script makes (and on the root of a model it puts under FSDP2's fully_shard), fed by the optimizers' step hooks (every optimizer's), by torch's cross-entropy
-(called as a function or through its module), by its DataLoaders' passes over a DistributedSampler; and the
-exchange of every rank's observations before the script tears its process group down.
+"""What the watcher puts into a script's process before its first line, through the audit's face: a witness
+(watch/witness.py) on every DDP model the script makes and on the root of a model it puts under FSDP2's
+fully_shard, fed by the optimizers' step hooks (every optimizer's), by torch's cross-entropy (called as a function
+or through its module), by a GradScaler's scale, unscale and step, by its DataLoaders' passes over a
+DistributedSampler; and the exchange of every rank's observations before the script tears its process group down.
 
 Nothing here changes what the script computes: the watcher's own collectives run on a group of its own, made where
-every rank passes (the first DDP construction), and a hook the script registers on its DDP model runs inside the
-watcher's counting one, as DDP runs it without the watcher.
+every rank passes (the first DDP construction, an FSDP2 root's first training forward), and a hook the script
+registers on its DDP model runs inside the watcher's counting one, as DDP runs it without the watcher.
 """
 
 import functools
@@ -18,8 +19,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -28,9 +27,16 @@ from torch.utils.data import dataloader as loader_module
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_no_sync_lab.audit import face
-from ddp_no_sync_lab.audit.checklist import first_batched
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.strategies import fsdp
+from ddp_no_sync_lab.watch.witness import (
+    DDP_REGISTER_COMM_HOOK,
+    SLOTS,
+    HookSlot,
+    LoopWitness,
+    ShardedView,
+    framework_of,
+)
 
 # A launcher's rank in the environment at the start (torchrun's, SLURM's, Open MPI's, MPICH's): without one, a
 # script whose DDP model spans several ranks started the others itself, without the watcher.
@@ -39,73 +45,6 @@ HANDSHAKE_TIMEOUT = timedelta(seconds=20)  # how long the ranks a launcher did n
 # The longest a rank waits for the others in the watcher's own collectives (a window's average, the exchange at
 # exit): longer than a rank's last evaluation or save before its teardown; ranks stopped apart end, never hang.
 EXCHANGE_TIMEOUT = timedelta(minutes=30)
-# A forward's inputs fingerprinted: their float64 sum and a weighted sum of at most PRINT_SAMPLE of them, at a fixed
-# stride on fixed weights: two ranks that read the same samples give equal prints, at a fixed cost per forward.
-PRINT_SAMPLE, PRINT_WEIGHTS_SEED = 4096, 20_241
-
-
-@functools.cache
-def print_weights(count, device):
-    generator = torch.Generator().manual_seed(PRINT_WEIGHTS_SEED)
-    return torch.rand(count, generator=generator, dtype=torch.float64).to(device)
-
-
-def inputs_print(tensor):
-    """[sum, weighted sum of a strided sample] of a forward's input in float64, on its device."""
-    flat = tensor.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // PRINT_SAMPLE)][:PRINT_SAMPLE].double()
-    return torch.stack([flat.sum(dtype=torch.float64), sample @ print_weights(sample.numel(), sample.device)])
-
-
-class HookSlot:
-    """The gradient hook the watcher's counting hook runs: DDP's own all-reduce until the script registers one."""
-
-    def __init__(self, ddp_model):
-        self.hook, self.state = default_hooks.allreduce_hook, ddp_model.process_group
-        self.registered = False
-
-    def run(self, _, bucket):
-        return self.hook(self.state, bucket)
-
-
-# The frameworks whose own code may make a script's DDP model and run its loop, by top-level package, as the
-# report names them: read from the call stack, none of them imported.
-FRAMEWORKS = {
-    "accelerate": "Accelerate",
-    "lightning": "Lightning",
-    "pytorch_lightning": "Lightning",
-    "transformers": "HF Trainer",
-}
-
-
-def framework_of(frame):
-    """The framework whose code runs `frame`, or None."""
-    return FRAMEWORKS.get(frame.f_globals.get("__name__", "").partition(".")[0])
-
-
-def outermost_framework(frame):
-    """The framework nearest the script among the callers of `frame` (HF's Trainer calls Accelerate), or None."""
-    found = None
-    while frame is not None:
-        found = framework_of(frame) or found
-        frame = frame.f_back
-    return found
-
-
-class ShardedView:
-    """A model under FSDP2's fully_shard as the witnesses read a DDP model: its module (the root), process group,
-    sync flag (every unit's, which set_requires_gradient_sync sets) and unsharded parameters."""
-
-    def __init__(self, root):
-        self.module = root
-        self.process_group = next(root.parameters()).device_mesh.get_group()
-
-    @property
-    def require_backward_grad_sync(self):
-        return all(group.reduce_grads for group in fsdp.param_groups(self.module))
-
-    def unsharded_parameters(self):
-        return fsdp.unsharded_parameters(self.module)
 
 
 class LaunchError(LabError):
@@ -114,119 +53,6 @@ class LaunchError(LabError):
 
     def __init__(self, message):
         super().__init__(message, broken_process=True)
-
-
-def local_sums(parameters):
-    """Each parameter's sum in float64 (a shard's, FSDP's): the weights' print, which any update changes."""
-    return torch.stack([(p.to_local() if isinstance(p, DTensor) else p).detach().double().sum() for p in parameters])
-
-
-SLOTS = weakref.WeakKeyDictionary()  # each adopted DDP model's hook slot
-DDP_REGISTER_COMM_HOOK = DistributedDataParallel.register_comm_hook  # DDP's own, beneath the watcher's patch
-
-
-class LoopWitness(face.Witness):
-    """The checklist's witnesses on one DDP model of a script the lab did not write, and what the watcher infers
-    its windows and divisors from: DDP's sync flag at each training forward and backward, each loss's items (the
-    targets it averages), each forward's inputs' fingerprint, the DataLoader passes its batches came from."""
-
-    def __init__(self, ddp_model, watch, comm_audit, device):
-        super().__init__(ddp_model, None, None, comm_audit, device, watch.group)
-        self.ddp_model, self.watch = ddp_model, watch
-        self.flags_at_forward, self.flags_at_backward = [], []
-        self.losses_read = {}  # micro-batch: the items its loss averaged (on the device)
-        self.input_prints = []  # per training forward, on the device
-        self.unreadable_losses = 0  # cross-entropies read as no plain mean (weights, smoothing, probabilities)
-        self.last_step = None  # (forwards seen, optimizer) at the last step taken: a second optimizer's joins it
-        self.made_by = outermost_framework(sys._getframe())  # the framework that made the DDP model, if one did
-        self.scaled_by = None  # a GradScaler's scale on the last loss read, until its backward reads it
-        self.weights_at_start = local_sums(self.parameters)  # an update made without a torch optimizer shows
-        self.skipped_steps = 0  # steps a GradScaler skipped on inf or NaN gradients: windows ended, no update
-
-    def on_forward(self, module, positional, keywords):
-        if self.training():
-            self.comm_audit.awaiting_sync = True  # FSDP's: the backward's first reduce-scatter is its sync
-            self.flags_at_forward.append(bool(self.ddp_model.require_backward_grad_sync))
-            first = first_batched(positional, keywords)
-            if first is not None:
-                self.input_prints.append(inputs_print(first))
-            if self.watch.current_pass is not None:
-                self.watch.trained_passes.add(self.watch.current_pass)
-        super().on_forward(module, positional, keywords)
-
-    def read_loss(self, logits, targets, output, ignore_index=-100):
-        if self.awaiting_loss and self.training() and logits.requires_grad:
-            self.losses_read[self.trace.micro_batches - 1] = targets.ne(ignore_index).sum()
-        super().read_loss(logits, targets, output, ignore_index)
-
-    def skip_loss(self):
-        """A loss after a training forward that the witnesses cannot read as a mean cross-entropy."""
-        if self.awaiting_loss and self.training():
-            self.unreadable_losses += 1
-            self.awaiting_loss = False
-
-    def on_logits_gradient(self, logits, targets, ignore_index, gradient):
-        self.flags_at_backward.append(bool(self.ddp_model.require_backward_grad_sync))
-        super().on_logits_gradient(logits, targets, ignore_index, gradient)
-        if self.scaled_by is not None:  # a GradScaler multiplied the loss: its divisor read that many times smaller
-            scale = self.scaled_by.to(self.device, torch.float64)
-            self.trace.loss_scales[-1] = self.trace.loss_scales[-1] * torch.stack([scale, scale.new_ones(()), scale])
-            self.scaled_by = None
-
-    def on_skipped_step(self, optimizer):
-        """A GradScaler's step skipped on inf or NaN gradients: the window ends with no update, and its average
-        (of gradients the step did not take) is not compared."""
-        self.on_step_begin(optimizer, (), {})
-        self.trace.averages.pop()
-        self.on_step_end(optimizer, (), {})
-        self.skipped_steps += 1
-
-    def bind(self, optimizer):
-        """The first optimizer seen stepping this model's parameters: its own update count from here on."""
-        self.optimizer = optimizer
-        self.trace.state_steps_before = self.state_steps()
-
-    def joins_last_step(self, optimizer):
-        """A second optimizer stepping with no forward since another's step (parts of one model, each its own
-        optimizer): the same window's end."""
-        last = self.last_step
-        return last is not None and last[0] == self.trace.micro_batches and last[1] is not optimizer
-
-    def on_step_end(self, optimizer, step_args, step_kwargs):
-        """The step follows the last backward (a forward of no loss read since, a logging one, is the next
-        window's); it came between a forward and its backward where that forward's loss was read but not yet
-        backpropagated."""
-        forward, backwards = self.trace.micro_batches - 1, self.trace.loss_positions
-        if forward in self.losses_read and (not backwards or backwards[-1] != forward):
-            self.trace.steps_before_backward.append(forward)
-        self.epoch_trace.step_positions.append(backwards[-1] if backwards else forward)
-        self.last_step = (self.trace.micro_batches, optimizer)
-
-    def summary(self):
-        observed = super().summary()
-        reads = [scale[2] for scale in torch.stack(self.trace.loss_scales).tolist()] if self.trace.loss_scales else []
-        read = self.losses_read
-        items = dict(zip(read, torch.stack(list(read.values())).tolist())) if read else {}
-        slot = SLOTS.get(self.ddp_model)
-        return {
-            **observed,
-            "losses": [[index, value, items.get(index)] for index, value in zip(self.trace.loss_positions, reads)],
-            "unreadable_losses": self.unreadable_losses,
-            "flags_at_forward": self.flags_at_forward,
-            "flags_at_backward": self.flags_at_backward,
-            "sync_positions": self.epoch_trace.sync_positions,
-            "step_positions": self.epoch_trace.step_positions,
-            "input_prints": torch.stack(self.input_prints).tolist() if self.input_prints else [],
-            "bytes_handed": self.comm_audit.allreduce_bytes + self.comm_audit.reduce_scatter_bytes,
-            "sharded": self.unsharded is not None,
-            "syncs": self.comm_audit.gradient_syncs,
-            "optimizer_counts_steps": self.optimizer is not None
-            and "step" in self.optimizer.state.get(self.parameters[0], {}),
-            "script_hook": getattr(slot.hook, "__name__", "?") if slot is not None and slot.registered else None,
-            "made_by": self.made_by,
-            "skipped_steps": self.skipped_steps,
-            "weights_changed": bool((local_sums(self.parameters) != self.weights_at_start).any()),
-        }
 
 
 class Watch:
@@ -253,7 +79,8 @@ class Watch:
         self.of_optimizer = weakref.WeakKeyDictionary()
         self.step_depth = 0  # optimizers' steps under way (a wrapper's step runs its inner optimizer's)
         self.steps_ended = 0  # optimizer steps taken (outermost), for a GradScaler's skipped one to show
-        self.stepping, self.step_read = [], False  # the witnesses of the step under way; its gradients read yet
+        self.stepping, self.step_read = [], True  # the witnesses of the step under way; its gradients read yet
+        self.own_read_hooks = weakref.WeakKeyDictionary()  # per optimizer: its pre-hook that reads a step
         self.observed = None  # every rank's observations, once exchanged
         self.torn_down_failing = False  # the script tore the default group down while handling an exception
         self.launched = any(name in os.environ for name in LAUNCHER_RANKS)  # this process given its rank
@@ -269,13 +96,13 @@ class Watch:
     def adopt(self, ddp_model):
         """A DDP model the script made, or the ShardedView of an FSDP2 root (a collective: every rank makes it, or
         calls it first): its syncs counted, witnessed."""
-        if dist.get_world_size() > 1 and not self.launched:
-            self.check_every_rank_watched()
         if dist.get_world_size(ddp_model.process_group) != dist.get_world_size():
             self.declined.append(
                 "a DDP model over a subgroup of the ranks (not watched: the watcher's exchange spans all)"
             )
             return
+        if dist.get_world_size() > 1 and not self.launched:
+            self.check_every_rank_watched()
         if self.group is None:
             self.group = dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
         self.rank = dist.get_rank()
@@ -316,20 +143,18 @@ class Watch:
         )
 
     def on_first_sharded_call(self, module, positional, keywords):
-        """The root of a model under fully_shard, called: the first with parameters to train is adopted; a frozen
-        one (a teacher, a reference model) is let be; a second trained one makes the syncs unattributable (its
-        reduce-scatters are counted with the first's)."""
+        """The root of a model under fully_shard, called: the first called in training, with parameters to train, is
+        adopted; a frozen one (a teacher, a reference model) is let be; a second trained one makes the syncs
+        unattributable (its reduce-scatters are counted with the first's)."""
         if not any(p.requires_grad for p in module.parameters()):
             self.release_units(module)
             return
-        if any(isinstance(witness.ddp_model, ShardedView) for witness in self.witnesses):
-            if module.training and torch.is_grad_enabled():
-                self.release_units(module)
-                self.syncs_unattributed = (
-                    "two models under fully_shard trained: their reduce-scatters are not told apart"
-                )
+        if not (module.training and torch.is_grad_enabled()):  # a teacher's, or an evaluation's: not yet a training
             return
         self.release_units(module)
+        if any(isinstance(witness.ddp_model, ShardedView) for witness in self.witnesses):
+            self.syncs_unattributed = "two models under fully_shard trained: their reduce-scatters are not told apart"
+            return
         if next(module.parameters()).device_mesh.ndim > 1:
             self.declined.append(
                 "a model under fully_shard over a 2-D mesh (HSDP, or with tensor parallelism): not watched"
@@ -356,9 +181,10 @@ class Watch:
         return self.of_optimizer[optimizer]
 
     def on_step_begin(self, optimizer, step_args, step_kwargs):
-        """A step's gradients read as it begins (an optimizer may change them as it updates: SGD's Nesterov
-        momentum does, in place); a step given a closure, as the closure returns: the closure runs the window's
-        last forward and backward inside step() (Lightning's does), before the update."""
+        """A step's gradients read as it begins, after the optimizer's own pre-hooks (which may change them; an
+        optimizer may change them as it updates: SGD's Nesterov momentum does, in place); a step given a closure, as
+        the closure returns: the closure runs the window's last forward and backward inside step() (Lightning's
+        does), before the update."""
         self.step_depth += 1
         if self.step_depth > 1:  # an inner optimizer's step inside a wrapper's: one step
             return None
@@ -366,11 +192,11 @@ class Watch:
         for witness in self.stepping:
             if witness.optimizer is None:  # its updates counted from before its first
                 witness.bind(optimizer)
+        self.step_read = False
         # torch's hooks see step()'s arguments with the optimizer first: (optimizer, closure?)
         closure = step_kwargs.get("closure", step_args[1] if len(step_args) > 1 else None)
-        self.step_read = False
-        if closure is None:
-            self.read_step(optimizer)
+        if not callable(closure):
+            self.read_after_own_hooks(optimizer)
             return None
 
         def closure_read(*args, **kwargs):
@@ -381,6 +207,15 @@ class Watch:
         if "closure" in step_kwargs:
             return step_args, {**step_kwargs, "closure": closure_read}
         return (step_args[0], closure_read, *step_args[2:]), step_kwargs
+
+    def read_after_own_hooks(self, optimizer):
+        """The step read by a pre-hook of the optimizer's own, run last of them (torch runs the global pre-hooks,
+        this one's caller, before the optimizer's)."""
+        if optimizer not in self.own_read_hooks:
+            self.own_read_hooks[optimizer] = optimizer.register_step_pre_hook(
+                lambda stepped, *_: self.read_step(stepped)
+            )
+        optimizer._optimizer_step_pre_hooks.move_to_end(self.own_read_hooks[optimizer].id)
 
     def read_step(self, optimizer):
         """The gradients the step takes, read once (an optimizer that calls its closure again reads nothing more)."""
@@ -410,13 +245,15 @@ class Watch:
         for witness in self.witnesses_of(optimizer):
             witness.on_clip(stepped, scale.double().reciprocal())
 
-    def on_skipped_step(self, optimizer):
+    def on_skipped_step(self, optimizer, ended):
+        """A GradScaler skipped the optimizer's update on inf or NaN gradients: its window ended with the step's hooks
+        (`ended`: a fused optimizer's), or ends now."""
         for witness in self.witnesses_of(optimizer):
-            if witness.joins_last_step(optimizer):
+            if not ended and witness.joins_last_step(optimizer):
                 continue
             if witness.optimizer is None:
                 witness.bind(optimizer)
-            witness.on_skipped_step(optimizer)
+            witness.on_skipped_step(optimizer, ended)
 
     def on_loss(self, call, output):
         """A cross-entropy the script computed: read as a mean (or a sum) over its targets but those ignored, where
@@ -547,8 +384,11 @@ def patch_grad_scaler():
     def watched_step(scaler, optimizer, *args, **kwargs):
         ended = Watch.active.steps_ended
         result = step(scaler, optimizer, *args, **kwargs)
-        if scaler.is_enabled() and Watch.active.steps_ended == ended:
-            Watch.active.on_skipped_step(optimizer)
+        found = (
+            scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {}) if scaler.is_enabled() else {}
+        )
+        if sum(value.item() for value in found.values()):  # a fused optimizer is stepped, and skips the update itself
+            Watch.active.on_skipped_step(optimizer, ended=Watch.active.steps_ended != ended)
         return result
 
     scaler_class.scale, scaler_class.unscale_, scaler_class.step = watched_scale, watched_unscale, watched_step

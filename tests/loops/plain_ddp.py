@@ -27,6 +27,9 @@ samples, 2 epochs of 3 windows per rank. --case picks the loop:
     grad_scaler      no_sync under float16 autocast with a GradScaler from a scale of 2**20: its first 2 steps
                      skipped on inf gradients (the scale halved each time), the loss scaled, the gradients unscaled
     grad_scaler_not_divided  the same, the loss not divided by the window
+    grad_scaler_fused  the grad_scaler loop with a fused AdamW (stepped by the scaler, it skips the update itself)
+    grad_scaler_all_skipped  the grad_scaler loop from a scale of 2**40: every step skipped
+    hook_halves      the optimizer's own step pre-hook halves the gradients before each update
     sgd_nesterov     SGD with Nesterov momentum, foreach (its step changes the gradients in place)
     manual_update    no optimizer: each window's mean gradient subtracted from the weights by hand
 """
@@ -56,6 +59,10 @@ count = world_size * micro_batches * BATCH
 data = TensorDataset(torch.randn(count, 8), torch.randint(0, 4, (count,)))
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if case == "grad_scaler_fused":
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+if case == "hook_halves":
+    optimizer.register_step_pre_hook(lambda *_: [p.grad.div_(2) for p in model.parameters()] and None)
 if case == "sgd_nesterov":
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, nesterov=True, foreach=True)
 optimizers = [optimizer]
@@ -68,7 +75,8 @@ if case == "resumed":  # the state a checkpoint would hold: made by an earlier m
     earlier.step()
     optimizer.load_state_dict(earlier.state_dict())
 evaluation = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data))
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, enabled=case.startswith("grad_scaler"))
+initial_scale = 2.0**40 if case == "grad_scaler_all_skipped" else 2.0**20
+scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale, enabled=case.startswith("grad_scaler"))
 half = torch.float16 if case.startswith("grad_scaler") else torch.bfloat16
 criterion = nn.CrossEntropyLoss()
 if case == "mse":
