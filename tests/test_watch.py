@@ -377,6 +377,33 @@ def test_the_launcher_runs_from_any_folder_and_its_status_and_record_are_the_ver
 
 
 @pytest.mark.torchrun
+def test_fail_fast_stops_the_ranks_at_the_first_window_one_rank_sees_broken_and_passes_its_twin(tmp_path):
+    """--fail-fast judges items 5, 7 and 8 on each rank's own windows as each ends: the broken loop stops in its
+    first epoch (the script never prints its epoch line), its correct twin runs to its end and passes."""
+    results = {}
+    for case in ("zero_grad_each", "no_sync"):
+        command = [*TORCHRUN, "-m", "ddp_no_sync_lab.watch", "--fail-fast", str(PLAIN), "--case", case]
+        results[case] = subprocess.run(
+            command, capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=300
+        )
+    broken = results["zero_grad_each"]
+    stops = [line for line in broken.stdout.splitlines() if line.startswith("AUDIT FAILED (--fail-fast, rank ")]
+    assert broken.returncode != 0 and stops, broken.stdout[-2000:]
+    assert all(
+        line.endswith(
+            "window 1, micro-batch 2 of 4: its backward started on reset gradients inside a window (zero_grad() "
+            "before the window's last micro-batch: the window's earlier gradients were lost) [checklist item 7: "
+            "zero_grad() only after the step; the gradients untouched between backwards]"
+        )
+        for line in stops
+    ), stops
+    assert "epoch 0: last loss" not in broken.stdout
+    twin = results["no_sync"]
+    assert twin.returncode == 0, twin.stderr[-2000:]
+    assert "epoch 1: last loss" in twin.stdout and twin.stdout.rstrip().endswith("AUDIT PASSED")
+
+
+@pytest.mark.torchrun
 def test_the_overhead_benchmark_times_both_loops_and_records_its_arithmetic(tmp_path):
     output = tmp_path / "watch.json"
     result = run_python(

@@ -2,7 +2,7 @@
 first on sys.path), the audit's witnesses installed before its first line; at its teardown, the document's
 checklist judged on what its ranks did, printed by global rank 0, `AUDIT PASSED` or the refusal as the last line.
 
-    torchrun [torchrun's options] -m ddp_no_sync_lab.watch [--out DIR] SCRIPT [ARGS...]
+    torchrun [torchrun's options] -m ddp_no_sync_lab.watch [--out DIR] [--fail-fast] SCRIPT [ARGS...]
     python -m ddp_no_sync_lab.watch SCRIPT [ARGS...]      # one process
 
 Exit status: the script's own where it failed (its traceback from its own frames); else 0 when the audit passed,
@@ -20,7 +20,7 @@ from ddp_no_sync_lab.cli import ArgumentParser, LabError, exit_with
 from ddp_no_sync_lab.files import json_bytes, write_atomic
 from ddp_no_sync_lab.watch.observe import LaunchError, Watch
 from ddp_no_sync_lab.watch.report import Verdict
-from ddp_no_sync_lab.watch.verdict import judge
+from ddp_no_sync_lab.watch.verdict import judge, judge_alone
 
 PROG = "python -m ddp_no_sync_lab.watch"
 INTERRUPTED = 130  # Python's status for a script ended by Ctrl-C (128 + SIGINT)
@@ -40,12 +40,17 @@ def parse(argv):
     index += index < len(argv) and argv[index] == "--"  # a `--` before SCRIPT ends the watcher's options
     parser = WatchParser(
         prog=PROG,
-        usage="%(prog)s [--out DIR] SCRIPT [ARGS...]",
+        usage="%(prog)s [--out DIR] [--fail-fast] SCRIPT [ARGS...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="write the observations and the verdict to DIR/watch.json"
+    )
+    parser.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="stop every rank at the first mistake one rank sees alone (items 5, 7 and 8, judged as each window ends)",
     )
     parser.add_argument("script", type=Path, help="the training script, run as `python SCRIPT ARGS...` runs it")
     options = parser.parse_args(argv[: index + 1])
@@ -106,6 +111,8 @@ def report(verdict, script, script_args, observed, out, rank):
 def main(argv=None):
     options, script_args = parse(sys.argv[1:] if argv is None else argv)
     watch = Watch()
+    if options.fail_fast:
+        watch.window_judge = stop_at_refusal
     watch.install()
     status = run_script(options.script, script_args)
     if status:
@@ -113,6 +120,15 @@ def main(argv=None):
     verdict = judged(watch)
     report(verdict, options.script, script_args, watch.observed, options.out, watch.rank)
     return 0 if verdict.passed else 1
+
+
+def stop_at_refusal(seen, rank, world_size):
+    """--fail-fast: the rank that sees a mistake alone says it and ends at once (torchrun then stops the others)."""
+    refusal = judge_alone(seen, rank, world_size)
+    if refusal is not None:
+        print(f"AUDIT FAILED (--fail-fast, rank {rank}): {refusal}", flush=True)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def judged(watch):

@@ -69,6 +69,7 @@ class Watch:
         self.unit_hooks = {}  # per FSDP unit, until its model's root is called: that call adopts the root
         self.syncs_unattributed = None  # why the syncs cannot be attributed to the model judged, where they cannot
         self.rank = None  # this process's global rank, once it made a process group
+        self.window_judge = None  # called with a witness's observations as each window ends (--fail-fast)
         self.group = None  # the watcher's own process group
         # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order, who set its epoch]
         self.sampler_passes = []
@@ -172,6 +173,11 @@ class Watch:
                 handle.remove()
 
     # -- the events
+
+    def window_ended(self, witness):
+        """A window of the witness's model ended (seen at the next training forward, its step's wrappers done)."""
+        if self.window_judge is not None:
+            self.window_judge(witness.summary(), self.rank, dist.get_world_size())
 
     def witnesses_of(self, optimizer):
         """The witnesses whose model the optimizer updates (looked up once per optimizer)."""

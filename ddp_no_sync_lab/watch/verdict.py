@@ -9,11 +9,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ddp_no_sync_lab.watch.items import ITEM_JUDGES, Refusal, step_targets
-from ddp_no_sync_lab.watch.report import FAIL, UNSEEN, Finding, Verdict, human_bytes
+from ddp_no_sync_lab.watch.report import FAIL, GLOSSES, UNSEEN, Finding, Verdict, human_bytes
 
 READ_AT_THE_LOSS = (3, 4, 5, 6, 7, 9)  # items whose witnesses begin at a backward seen from the loss it reads
 COUNTED_SYNCS = (5, 6, 9)  # items judged from the syncs counted for the model
 STEPPED = (6, 8)  # items judged from the updates made: the average taken, the optimizer's count
+ALONE = (8, 7, 5)  # the items one rank judges from its own windows as each ends (--fail-fast), in refusal order
 
 
 @dataclass
@@ -110,6 +111,24 @@ def judge(observed):
     verdict.found = context.found()
     verdict.notes += context.notes
     return verdict
+
+
+def judge_alone(seen, rank, world_size):
+    """The first refusal among the items a rank judges from its own windows so far (--fail-fast), or None: its
+    steps once a window's length repeats (the window found), its resets and syncs where its losses were read."""
+    loop = RankLoop(rank, seen)
+    model = {"ranks": [seen], "processes": 1, "devices": 1, "device_type": "cpu"}
+    context = Context({"world_size": world_size, "backend": "", "ranks": []}, model, [loop], world_size)
+    repeated = max(Counter(len(window) for window in loop.windows).values(), default=0) > 1
+    read = seen["backwards"] and not seen["unreadable_losses"]
+    for number in ALONE:
+        if (number == 8 and not repeated) or (number != 8 and not read):
+            continue
+        try:
+            ITEM_JUDGES[number](context)
+        except Refusal as refusal:
+            return f"{refusal} [checklist item {number}: {GLOSSES[number - 1]}]"
+    return None
 
 
 # Where a framework, not the script, skips every step: what it does.

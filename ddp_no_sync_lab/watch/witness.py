@@ -109,8 +109,12 @@ class LoopWitness(face.Witness):
         self.scaled_by = None  # a GradScaler's scale on the last loss read, until its backward reads it
         self.weights_at_start = local_sums(self.parameters)  # an update made without a torch optimizer shows
         self.skipped_steps = 0  # steps a GradScaler skipped on inf or NaN gradients: windows ended, no update
+        self.window_ended = False  # a step ended a window since the last training forward
 
     def on_forward(self, module, positional, keywords):
+        if self.training() and self.window_ended:  # the first forward after a step: its window whole, its step done
+            self.window_ended = False
+            self.watch.window_ended(self)
         if self.training():
             self.comm_audit.awaiting_sync = True  # FSDP's: the backward's first reduce-scatter is its sync
             self.flags_at_forward.append(bool(self.ddp_model.require_backward_grad_sync))
@@ -169,6 +173,7 @@ class LoopWitness(face.Witness):
             self.trace.steps_before_backward.append(forward)
         self.epoch_trace.step_positions.append(backwards[-1] if backwards else forward)
         self.last_step = (self.trace.micro_batches, optimizer)
+        self.window_ended = True
 
     def summary(self):
         observed = super().summary()
