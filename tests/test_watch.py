@@ -7,6 +7,7 @@ line itself runs as a command from a folder outside the project."""
 import json
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -374,6 +375,26 @@ def test_the_launcher_runs_from_any_folder_and_its_status_and_record_are_the_ver
     assert record["last_line"] == printed[0]
     assert record["findings"]["4"]["mark"] == "✗" and record["findings"]["5"]["mark"] == "✓"
     assert record["args"] == ["--case", "divided_twice"] and len(record["observed"]["models"][0]["ranks"]) == 2
+
+
+@pytest.mark.torchrun
+def test_the_launcher_runs_with_the_project_on_pythonpath_alone(tmp_path):
+    """An environment with torch and the frameworks but not the lab's package (a venv whose path reaches this one's
+    site-packages, whose .pth files, the editable install's among them, it does not read): the watcher runs from a
+    folder outside the project with PYTHONPATH naming the checkout, and only so."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    (tmp_path / "venv" / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages").joinpath(
+        "lab_dependencies.pth"
+    ).write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = str(tmp_path / "venv" / "bin" / "python")
+    bare = subprocess.run([python, "-c", "import ddp_no_sync_lab"], capture_output=True, text=True, cwd=tmp_path)
+    assert bare.returncode != 0 and "No module named 'ddp_no_sync_lab'" in bare.stderr
+    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    command += ["ddp_no_sync_lab.watch", str(PLAIN), "--case", "no_sync"]
+    env = subprocess_env(PYTHONPATH=str(REPO))
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.rstrip().endswith("AUDIT PASSED")
 
 
 @pytest.mark.torchrun
