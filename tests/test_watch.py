@@ -44,6 +44,8 @@ PLAIN_CASES = (
     "grad_scaler_fused",
     "grad_scaler_all_skipped",
     "hook_halves",
+    "compiled",
+    "compiled_first_synced",
 )
 # Each mistake: its correct twin, the item it breaks, and the refusal's start (rank, window, micro-batch: what).
 REFUSED = {
@@ -99,6 +101,11 @@ REFUSED = {
         "rank 0, window 1, micro-batch 1 of 4: the window's 4 micro-batch losses were each divided by 1: they "
         "weigh 4 means over the window and the ranks",
     ),
+    "compiled_first_synced": (
+        "compiled",
+        5,
+        "rank 0, window 1, micro-batch 1 of 4: it synchronized, and it is not its window's last micro-batch",
+    ),
     "hook_halves": (
         "no_sync",
         5,
@@ -130,6 +137,7 @@ FOUND = {
     "resumed": ["6 steps per rank, one per window of 4"],
     "eval_sampler": ["2 training passes over a DistributedSampler on rank 0, each in a new order"],
     "sgd_nesterov": ["6 steps per rank, one per window of 4", "syncs: 6 on rank 0 (1 per window)"],
+    "compiled": ["6 steps per rank, one per window of 4", "syncs: 6 on rank 0 (1 per window)"],
     # a fused AdamW is stepped by the scaler and skips the update itself: the skip told by the scaler's own record
     "grad_scaler_fused": [
         "6 steps per rank, one per window of 4",
@@ -180,6 +188,7 @@ def watched(tmp_path_factory, image_data):
     (scripts / "torn_down_failing.py").write_text(TORN_DOWN_FAILING)
     cases = [[name, PLAIN, "--case", name] for name in PLAIN_CASES]
     cases += [["nanogpt", NANOGPT], ["nanogpt_flag_after_forward", NANOGPT, "--flag-after-forward"]]
+    cases += [["nanogpt_compiled", NANOGPT, "--compile"]]
     cases += [["raises", scripts / "raises.py"], ["exits", scripts / "exits.py"]]
     cases += [["torn_down_failing", scripts / "torn_down_failing.py"]]
     cases += [["no_ddp", scripts / "no_ddp.py", "an argument", "--", "--an-option"]]
@@ -307,6 +316,20 @@ def test_a_loss_it_does_not_read_leaves_its_items_unobserved_and_the_audit_incom
         "backwards, syncs and divisors are read at it"
     )
     assert [number for number, mark in marks(rank0).items() if mark == "✓"] == [1, 2, 8]
+
+
+@pytest.mark.torchrun
+def test_a_loss_computed_inside_a_compiled_model_is_said_unread_and_the_script_runs_unchanged(watched):
+    """nanoGPT compiles its model, and its loss inside it: the watcher reads no loss there (the compiler traces it),
+    says so, and the script's losses are those of its uncompiled run."""
+    rank0, _ = watched["nanogpt_compiled"]
+    assert rank0["status"] == 1
+    assert last_line(rank0) == (
+        "AUDIT INCOMPLETE: items 3, 4, 5, 6, 7, 9 were not observed: the loss is computed inside a compiled region "
+        "(torch.compile), where it is traced, not read: compute it outside the compiled model to have the "
+        "backwards, syncs and divisors read at it"
+    )
+    assert rank0["stdout"].splitlines()[0] == watched["nanogpt"][0]["stdout"].splitlines()[0]  # "last loss ..."
 
 
 @pytest.mark.torchrun

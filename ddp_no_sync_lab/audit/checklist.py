@@ -106,6 +106,7 @@ class HeldHook:
     def __init__(self, call):
         self.call = call
 
+    @torch.compiler.disable  # in a compiled model the witnesses run as Python, untraced (a graph break at the hook)
     def __call__(self, *event):
         return self.call(*event)
 

@@ -70,6 +70,7 @@ class Watch:
         self.syncs_unattributed = None  # why the syncs cannot be attributed to the model judged, where they cannot
         self.rank = None  # this process's global rank, once it made a process group
         self.window_judge = None  # called with a witness's observations as each window ends (--fail-fast)
+        self.compiled_loss = False  # a cross-entropy was traced into a compiled region (never read there)
         self.group = None  # the watcher's own process group
         # per DataLoader pass over a DistributedSampler: [sampler, epoch, shuffle, order, who set its epoch]
         self.sampler_passes = []
@@ -297,7 +298,12 @@ class Watch:
         self.rank = dist.get_rank()
         models = [witness.end_epoch() for witness in self.witnesses]
         passes = [[*record, number in self.trained_passes] for number, record in enumerate(self.sampler_passes)]
-        mine = {"sampler_passes": passes, "declined": self.declined, "syncs_unattributed": self.syncs_unattributed}
+        mine = {
+            "sampler_passes": passes,
+            "declined": self.declined,
+            "syncs_unattributed": self.syncs_unattributed,
+            "compiled_loss": self.compiled_loss,
+        }
         group = self.group if self.group is not None else dist.new_group(backend="gloo", timeout=EXCHANGE_TIMEOUT)
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
@@ -356,7 +362,12 @@ def patch_process():
     @functools.wraps(cross_entropy)
     def watched_cross_entropy(*args, **kwargs):
         output = cross_entropy(*args, **kwargs)
-        Watch.active.on_loss(signature.bind(*args, **kwargs), output)
+        # A loss inside a compiled region is traced (on fake or functional tensors: a compiler may put this wrapper
+        # in its graph as torch's own), not read: only a loss computed eagerly, a plain tensor, is.
+        if type(output) is torch.Tensor and not torch.compiler.is_compiling():
+            Watch.active.on_loss(signature.bind(*args, **kwargs), output)
+        else:
+            Watch.active.compiled_loss = True
         return output
 
     F.cross_entropy = watched_cross_entropy

@@ -177,6 +177,11 @@ class Context:
                 f"the backwards, syncs and divisors are read at the loss"
             )
         if any(loop.seen["backwards"] == 0 for loop in self.loops):
+            if any(rank["compiled_loss"] for rank in self.observed["ranks"]):
+                return (
+                    "the loss is computed inside a compiled region (torch.compile), where it is traced, not read: "
+                    "compute it outside the compiled model to have the backwards, syncs and divisors read at it"
+                )
             return "no loss computed by torch's cross_entropy: the backwards, syncs and divisors are read at it"
         return None
 

@@ -7,7 +7,8 @@ inside the model with F.cross_entropy(..., ignore_index=-1) and divided by gradi
 between the forward and the backward, gradients clipped to norm 1.0 before the step, an evaluation under
 torch.no_grad() in eval mode. --flag-after-forward sets the flag after the forward (the mistake of
 karpathy/build-nanogpt#30's family): DDP decides at the forward, so the window's first micro-batch syncs and its
-last does not.
+last does not. --compile compiles the model before DDP wraps it, as nanoGPT does (torch.compile, its aot_eager
+backend: no C++ compiler needed; the loss is then computed inside the compiled forward).
 """
 
 import argparse
@@ -22,7 +23,9 @@ VOCAB, BLOCK, BATCH, ACCUM, ITERS = 16, 8, 4, 4, 3
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--flag-after-forward", action="store_true")
-flag_after_forward = parser.parse_args().flag_after_forward
+parser.add_argument("--compile", action="store_true")
+options = parser.parse_args()
+flag_after_forward = options.flag_after_forward
 
 
 class TinyLM(nn.Module):
@@ -54,7 +57,10 @@ def get_batch():
 
 
 torch.manual_seed(0)
-model = DDP(TinyLM())
+model = TinyLM()
+if options.compile:
+    model = torch.compile(model, backend="aot_eager")
+model = DDP(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 X, Y = get_batch()
 for _ in range(ITERS):

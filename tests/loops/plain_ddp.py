@@ -32,6 +32,9 @@ samples, 2 epochs of 3 windows per rank. --case picks the loop:
     hook_halves      the optimizer's own step pre-hook halves the gradients before each update
     sgd_nesterov     SGD with Nesterov momentum, foreach (its step changes the gradients in place)
     manual_update    no optimizer: each window's mean gradient subtracted from the weights by hand
+    compiled         the document's loop on the DDP model under torch.compile (its aot_eager backend: no C++
+                     compiler needed), the loss computed outside it
+    compiled_first_synced  the same, the window's first micro-batch synchronized instead of its last
 """
 
 import argparse
@@ -58,6 +61,7 @@ micro_batches = 14 if case.startswith("short_last") else 3 * ACCUM
 count = world_size * micro_batches * BATCH
 data = TensorDataset(torch.randn(count, 8), torch.randint(0, 4, (count,)))
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+trained = torch.compile(model, backend="aot_eager") if case.startswith("compiled") else model
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 if case == "grad_scaler_fused":
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -100,13 +104,13 @@ for epoch in range(EPOCHS):
             "divided_twice": ACCUM * ACCUM,
             "short_last_by_k": window_length,
         }.get(case, ACCUM)
-        synced_here = (index % ACCUM == 0) if case == "first_synced" else window_end
+        synced_here = (index % ACCUM == 0) if case in ("first_synced", "compiled_first_synced") else window_end
         skip = not synced_here and case not in ("every", "backward_only")
         if case == "zero_grad_each":
             optimizer.zero_grad()
         with model.no_sync() if skip else nullcontext():
             with torch.autocast("cpu", dtype=half) if case == "bf16" or scaler.is_enabled() else nullcontext():
-                logits = model(inputs)
+                logits = trained(inputs)
             loss = criterion(logits.float(), targets) / divisor
             with model.no_sync() if case == "backward_only" and not window_end else nullcontext():
                 scaler.scale(loss).backward()
