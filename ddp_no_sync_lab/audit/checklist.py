@@ -106,7 +106,6 @@ class HeldHook:
     def __init__(self, call):
         self.call = call
 
-    @torch.compiler.disable  # in a compiled model the witnesses run as Python, untraced (a graph break at the hook)
     def __call__(self, *event):
         return self.call(*event)
 
@@ -155,6 +154,8 @@ class Witness:
     caller reports their events (on_step_begin, on_step_end, read_loss). The epoch's observations are gathered
     over `exchange_group` (None: the default group)."""
 
+    held_hook = HeldHook  # what the model's module and parameters hold for the witnesses' hooks
+
     def __init__(self, ddp_model, optimizer, criterion, comm_audit, device, exchange_group=None):
         self.module, self.optimizer, self.comm_audit, self.device = ddp_model.module, optimizer, comm_audit, device
         self.exchange_group = exchange_group
@@ -180,7 +181,7 @@ class Witness:
         self.held_shards = False  # the gradients last read were FSDP's shards of the synced one
         self.window = torch.zeros(TOKENS + 1 if self.counts_tokens else TOKENS, dtype=torch.float64, device=device)
         self.window_syncs, self.wire_dtype = 0, torch.float32
-        self.module.register_forward_pre_hook(HeldHook(self.on_forward), with_kwargs=True)
+        self.module.register_forward_pre_hook(self.held_hook(self.on_forward), with_kwargs=True)
         if criterion is not None:
             criterion.register_forward_hook(self.on_loss)
         if self.unsharded is None:
@@ -195,7 +196,7 @@ class Witness:
 
     def hook(self, tensors):
         for index, tensor in enumerate(tensors):
-            tensor.register_hook(HeldHook(partial(self.on_parameter_gradient, index)))
+            tensor.register_hook(self.held_hook(partial(self.on_parameter_gradient, index)))
 
     # -- the epoch
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddp_no_sync_lab.audit.checklist import Witness, first_batched
+from ddp_no_sync_lab.audit.checklist import HeldHook, Witness, first_batched
 from ddp_no_sync_lab.audit.clipping import CLIPS
 from ddp_no_sync_lab.audit.instruments import (
     COMPRESSION_HOOKS,
@@ -49,6 +49,7 @@ __all__ = [
     # the witnesses themselves: a loop met piece by piece (the watcher's) extends them, reporting the events, and
     # finds each forward's batch as they do
     "Witness",
+    "HeldHook",
     "first_batched",
     # the instruments a loop also calls: the ranks' step fingerprints, the clock, the samples read, the teardown
     "before_step",

@@ -92,10 +92,21 @@ SLOTS = weakref.WeakKeyDictionary()  # each adopted DDP model's hook slot
 DDP_REGISTER_COMM_HOOK = DistributedDataParallel.register_comm_hook  # DDP's own, beneath the watcher's patch
 
 
+class UntracedHook(face.HeldHook):
+    """A witness's hook run as Python where the script compiles its model: a graph break at the hook, never traced
+    (made here, not in the audit: torch.compiler's import costs a lab run nothing it uses)."""
+
+    @torch.compiler.disable
+    def __call__(self, *event):
+        return self.call(*event)
+
+
 class LoopWitness(face.Witness):
     """The checklist's witnesses on one DDP model of a script the lab did not write, and what the watcher infers
     its windows and divisors from: DDP's sync flag at each training forward and backward, each loss's items (the
     targets it averages), each forward's inputs' fingerprint, the DataLoader passes its batches came from."""
+
+    held_hook = UntracedHook
 
     def __init__(self, ddp_model, watch, comm_audit, device):
         super().__init__(ddp_model, None, None, comm_audit, device, watch.group)
