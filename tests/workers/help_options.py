@@ -1,6 +1,6 @@
 """Every option the lab's scripts offer, read from each script's own argument parser as its --help shows it: each
 script is run in this one process (torch imported once) until it parses its arguments, and the parser's option
-strings are taken there. Prints {script: [options]} as JSON, torchrun's among them. gpu_check.sh has no parser;
+strings are taken there. Prints {script: [options]} as JSON, torchrun's and the watcher's among them. gpu_check.sh has no parser;
 its options are its case labels."""
 
 import argparse
@@ -48,6 +48,7 @@ def main():
         if found is not None:
             options[str(script.relative_to(ROOT))] = found
     options["torchrun"] = parser_options(ROOT / "torchrun", "torch.distributed.run")
+    options["ddp_no_sync_lab.watch"] = parser_options(ROOT / "ddp_no_sync_lab" / "watch", "ddp_no_sync_lab.watch")
     labels = re.findall(r"^\s*(--[a-z-]+)\)", (ROOT / "gpu_check.sh").read_text(), re.MULTILINE)
     options["gpu_check.sh"] = sorted(set(labels))
     print(json.dumps(options))
