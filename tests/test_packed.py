@@ -64,40 +64,46 @@ def small_corpus():
 
 
 @pytest.fixture(scope="module")
-def documented(tmp_path_factory):
-    """Both modes at the text task's documented configuration, per-token normalized, and the same pair at
-    micro-batch normalization."""
+def text_runs(tmp_path_factory):
+    """Every text run the module reads, in one torchrun start: in documented/, both modes at the text task's
+    documented configuration, per-token normalized, and the same pair at micro-batch normalization; in one-epoch/,
+    a clean `every` run of one epoch, and (in broken/) the no_sync runs whose loss is broken beneath the loop
+    (tests/inject)."""
     artifacts = tmp_path_factory.mktemp("text")
+    documented = artifacts / "documented"
     runs = [
-        [*TEXT_RUN, "--mode", mode, "--output", artifacts / normalization / mode, "--loss-normalization", normalization]
+        [
+            *TEXT_RUN,
+            "--mode",
+            mode,
+            "--output",
+            documented / normalization / mode,
+            "--loss-normalization",
+            normalization,
+        ]
         for normalization in experiment.LOSS_NORMALIZATIONS
         for mode in experiment.MODES
     ]
+    one_epoch = artifacts / "one-epoch" / "artifacts"
+    runs += [[*TEXT_RUN, "--mode", "every", "--output", one_epoch / "every", "--epochs", "1"]]
+    runs += [
+        [f"LAB_TEST_TEXT_LOSS={broken}", *TEXT_RUN, "--mode", "no_sync", "--epochs", "1"]
+        + ["--output", one_epoch.parent / "broken" / broken / "no_sync"]
+        for broken in BROKEN_LOSSES
+    ]
     train_in_one_start(artifacts / "logs", *runs, env=TEXT_ENV)
-    return artifacts
+    return documented, one_epoch
 
 
 @pytest.fixture(scope="module")
-def one_epoch(tmp_path_factory):
-    """A clean `every` run of one epoch, and (in broken/) the no_sync runs whose loss is broken beneath the loop
-    (tests/inject), audited beside it: in one torchrun start."""
-    artifacts = tmp_path_factory.mktemp("text-one-epoch") / "artifacts"
-    runs = [[*TEXT_RUN, "--mode", "every", "--output", artifacts / "every", "--epochs", "1"]]
-    runs += [
-        [
-            f"LAB_TEST_TEXT_LOSS={broken}",
-            *TEXT_RUN,
-            "--mode",
-            "no_sync",
-            "--output",
-            artifacts.parent / "broken" / broken / "no_sync",
-            "--epochs",
-            "1",
-        ]
-        for broken in BROKEN_LOSSES
-    ]
-    train_in_one_start(artifacts.parent / "logs", *runs, env=TEXT_ENV)
-    return artifacts
+def documented(text_runs):
+    return text_runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_epoch(text_runs):
+    """A clean `every` run of one epoch, with the broken no_sync runs in ../broken."""
+    return text_runs[1]
 
 
 def test_packing_keeps_every_document_whole_and_masks_boundaries_and_padding():
