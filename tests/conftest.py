@@ -8,6 +8,7 @@ without 3 s of starting an interpreter and importing torch each time); a few tes
 """
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -178,14 +179,18 @@ def runs_worker_arguments(logs, runs):
 def train_in_one_start(logs, *runs, env=None):
     """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
     start's cost for all. Returns each run's output as a finished process's: every rank's, rank 0's first."""
-    start = torchrun(RUNS_WORKER, *runs_worker_arguments(logs, runs), env=env)
-    assert_ok(start)
+    assert_ok(torchrun(RUNS_WORKER, *runs_worker_arguments(logs, runs), env=env))
+    return runs_outputs(logs, runs)
+
+
+def runs_outputs(logs, runs):
+    """Each run's output that tests/workers/runs.py kept in LOGS, as a process's that ended with status 0."""
 
     def output(number, stream):
         return "".join(path.read_text() for path in sorted(logs.glob(f"{number}.rank*.{stream}")))
 
     return [
-        subprocess.CompletedProcess(run, start.returncode, output(number, "stdout"), output(number, "stderr"))
+        subprocess.CompletedProcess(run, 0, output(number, "stdout"), output(number, "stderr"))
         for number, run in enumerate(runs)
     ]
 
@@ -276,11 +281,29 @@ def read_json(path):
     return json.loads(Path(path).read_text())
 
 
+def made_once(tmp_path_factory, name, make):
+    """The folder `name`, made by make(folder) once for the whole session, however many pytest-xdist workers
+    run it: the first to ask makes it under a lock, the others wait for it there and read what it made."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (root / f"{name}.made").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def image_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data") / "images"
-    synthetic_data.write_dataset(root, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
-    return root
+    def write(folder):
+        synthetic_data.write_dataset(folder / "images", "image-folders", SOURCE_IMAGES, TEST_IMAGES)
+
+    return made_once(tmp_path_factory, "shared-data", write) / "images"
 
 
 # The shared runs profile 2 windows of epoch 1 (micro-batches 8-15: window 1 skipped, window 2 the warm-up).
@@ -290,20 +313,27 @@ PROFILED = ["--profile-windows", "2"]
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory, image_data):
     """Both modes trained once on the image-folder data, in one torchrun start, profiled (PROFILED): every with
-    progress lines, no_sync with --quiet. The reruns in test_e2e.py, each train.py's own command, unprofiled,
-    must match them bit for bit."""
-    artifacts = tmp_path_factory.mktemp("runs") / "artifacts"
+    progress lines, no_sync with --quiet; once for the session, whichever pytest-xdist worker asks first. The
+    reruns in test_e2e.py, each train.py's own command, unprofiled, must match them bit for bit."""
     common = ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
-    RUNNING["shared pair"] = True
-    try:
-        every, no_sync = train_in_one_start(
-            artifacts.parent / "logs",
+
+    def runs(folder):
+        artifacts = folder / "artifacts"
+        return [
             ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
             ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
-        )
-    finally:
-        RUNNING["shared pair"] = False
-    return artifacts, {"every": every, "no_sync": no_sync}
+        ]
+
+    def train_both(folder):
+        RUNNING["shared pair"] = True
+        try:
+            train_in_one_start(folder / "logs", *runs(folder))
+        finally:
+            RUNNING["shared pair"] = False
+
+    folder = made_once(tmp_path_factory, "shared-pair", train_both)
+    every, no_sync = runs_outputs(folder / "logs", runs(folder))
+    return folder / "artifacts", {"every": every, "no_sync": no_sync}
 
 
 @pytest.fixture

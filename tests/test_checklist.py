@@ -45,7 +45,8 @@ def other(mode):
 def injected_runs(tmp_path_factory):
     """Every scenario trained for one epoch in one torchrun start (tests/workers/checklist_bugs.py), with the
     lab's correct pair beside them: in the run's precision (each bugged mode's partner), and in float32. On
-    BUG_IMAGES: 3 windows per rank, enough for each bug (a skipped step is the 3rd), in 30 trainings."""
+    BUG_IMAGES: 3 windows per rank, enough for each bug (a skipped step is the 3rd), in 30 trainings. Each run
+    is also watched as a foreign script would be (--watch): the watcher's verdict beside verify.py's."""
     out = tmp_path_factory.mktemp("bugs")
     image_data = out / "data"
     synthetic_data.write_dataset(image_data, "image-folders", *BUG_IMAGES)
@@ -53,10 +54,27 @@ def injected_runs(tmp_path_factory):
         f"{bug}:{way}:{mode}" for bug, (_, modes) in BUGS.items() for way, mode in zip(("loop", "beneath"), modes)
     ] + [f"{LABEL_LIE}:loop:both", f"{LABEL_LIE}:beneath:both", "none:loop:both", "none:loop:both:fp32"]
     options = ["--data-dir", image_data, *SMALL_RUN, "--epochs", "1"]
-    result = torchrun("tests/workers/checklist_bugs.py", out, *scenarios, "--", *options, timeout=1200)
+    result = torchrun("tests/workers/checklist_bugs.py", "--watch", out, *scenarios, "--", *options, timeout=1200)
     assert_ok(result)
     assert_ok(verify(out / "none-loop-both"))  # the bugged modes' partner
     return out
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_each_bug_in_the_labs_loop_is_refused_by_the_watcher_naming_verifys_item(injected_runs, bug):
+    """The same runs watched as a foreign script (python -m ddp_no_sync_lab.watch): the bug made in the loop
+    refused at the item verify.py names."""
+    items, modes = BUGS[bug]
+    item = items[0] if isinstance(items, tuple) else items
+    line = (injected_runs / f"{bug}-loop-{modes[0]}" / modes[0] / "watch.txt").read_text().strip()
+    assert line.startswith("AUDIT FAILED: ") and f"[checklist item {item}: " in line, line
+
+
+@pytest.mark.torchrun
+def test_the_labs_correct_pair_of_the_bugs_experiment_passes_the_watcher(injected_runs):
+    for mode in ("every", "no_sync"):
+        assert (injected_runs / "none-loop-both" / mode / "watch.txt").read_text() == "AUDIT PASSED\n"
 
 
 def refusal(result):

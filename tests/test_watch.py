@@ -12,9 +12,7 @@ import sysconfig
 import pytest
 
 from conftest import REPO, SMALL_RUN, TORCHRUN, WORKERS, run_python, subprocess_env, torchrun, verify
-from test_checklist import BUG_IMAGES, BUGS
 from test_nodes import finish, start_nodes
-from tools import synthetic_data
 
 PLAIN, NANOGPT = REPO / "tests" / "loops" / "plain_ddp.py", REPO / "tests" / "loops" / "nanogpt_style.py"
 PLAIN_CASES = (
@@ -277,34 +275,6 @@ def test_the_labs_own_loop_broken_beneath_it_is_refused_by_the_watcher(watched, 
     assert rank0["status"] == 1
     line = last_line(rank0)
     assert line.startswith(f"AUDIT FAILED: {refusal}") and f"[checklist item {item}: " in line, line
-
-
-@pytest.fixture(scope="module")
-def watched_bugs(tmp_path_factory):
-    """tests/test_checklist.py's bugs made in the lab's loop (train.py's source edited as a user would), each run
-    also under the watcher (tests/workers/checklist_bugs.py --watch), with the correct pair: one torchrun start."""
-    out = tmp_path_factory.mktemp("watched_bugs")
-    synthetic_data.write_dataset(out / "data", "image-folders", *BUG_IMAGES)
-    scenarios = [f"{bug}:loop:{modes[0]}" for bug, (_, modes) in BUGS.items()] + ["none:loop:both"]
-    options = ["--data-dir", out / "data", *SMALL_RUN, "--epochs", "1"]
-    result = torchrun("tests/workers/checklist_bugs.py", "--watch", out, *scenarios, "--", *options, timeout=1200)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
-
-
-@pytest.mark.torchrun
-@pytest.mark.parametrize("bug", sorted(BUGS))
-def test_each_checklist_bug_in_the_labs_loop_is_refused_by_the_watcher_naming_verifys_item(watched_bugs, bug):
-    items, modes = BUGS[bug]
-    item = items[0] if isinstance(items, tuple) else items
-    line = (watched_bugs / f"{bug}-loop-{modes[0]}" / modes[0] / "watch.txt").read_text().strip()
-    assert line.startswith("AUDIT FAILED: ") and f"[checklist item {item}: " in line, line
-
-
-@pytest.mark.torchrun
-def test_the_labs_correct_pair_of_the_bugs_experiment_passes_the_watcher(watched_bugs):
-    for mode in ("every", "no_sync"):
-        assert (watched_bugs / "none-loop-both" / mode / "watch.txt").read_text() == "AUDIT PASSED\n"
 
 
 @pytest.mark.torchrun
