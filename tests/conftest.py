@@ -26,6 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_no_sync_lab.experiment import MODES
+from ddp_no_sync_lab.tasks import data
 from tools import synthetic_data
 
 # The suite is the CPU suite, in this process too (infer.py runs here): it means the same on a GPU machine.
@@ -283,25 +284,34 @@ def read_json(path):
 
 def made_once(tmp_path_factory, name, make):
     """The folder `name`, made by make(folder) once for the whole session, however many pytest-xdist workers
-    run it: the first to ask makes it under a lock, the others wait for it there and read what it made."""
+    run it: the first to ask makes it under a lock, the others wait for it there and read what it made (a
+    make that failed fails them at once, with its error). Made, it is only read: a test that writes copies it."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's folder, above each worker's own
-    folder = root / name
+    folder, made, failed = root / name, root / f"{name}.made", root / f"{name}.failed"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / f"{name}.made").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            make(folder)
-            (root / f"{name}.made").touch()
+        if failed.exists():
+            pytest.fail(f"{name}, shared by the session's workers, could not be made: {failed.read_text()}")
+        if not made.exists():
+            try:
+                folder.mkdir()
+                make(folder)
+            except BaseException as error:
+                failed.write_text(f"{type(error).__name__}: {error}")
+                raise
+            made.touch()
     return folder
 
 
 @pytest.fixture(scope="session")
 def image_data(tmp_path_factory):
+    """The shared experiment's images, their decode cache made with them (train.py reads it, never writes it)."""
+
     def write(folder):
         synthetic_data.write_dataset(folder / "images", "image-folders", SOURCE_IMAGES, TEST_IMAGES)
+        data.prepare_data(folder / "images")
 
     return made_once(tmp_path_factory, "shared-data", write) / "images"
 

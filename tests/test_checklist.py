@@ -46,7 +46,8 @@ def injected_runs(tmp_path_factory):
     """Every scenario trained for one epoch in one torchrun start (tests/workers/checklist_bugs.py), with the
     lab's correct pair beside them: in the run's precision (each bugged mode's partner), and in float32. On
     BUG_IMAGES: 3 windows per rank, enough for each bug (a skipped step is the 3rd), in 30 trainings. Each run
-    is also watched as a foreign script would be (--watch): the watcher's verdict beside verify.py's."""
+    made in the loop is also watched as a foreign script would be (--watch): the watcher's verdict beside
+    verify.py's."""
     out = tmp_path_factory.mktemp("bugs")
     image_data = out / "data"
     synthetic_data.write_dataset(image_data, "image-folders", *BUG_IMAGES)
@@ -218,8 +219,8 @@ def test_strict_verify_holds_every_documented_key(tmp_path):
         )
 
 
-def test_verify_prints_the_checklist_with_its_witnesses(lab_runs):
-    result = verify(lab_runs[0])
+def test_verify_prints_the_checklist_with_its_witnesses(lab_runs, tmp_path):
+    result = verify(lab_runs[0], "--pictures", tmp_path)  # the shared pair is only read
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith("| ") and line.split("|")[1].strip().isdigit()]

@@ -164,9 +164,9 @@ def test_progress_goes_to_stderr_and_quiet_silences_it(lab_runs):
     assert not [line for line in stderr_lines(results["no_sync"]) if "micro-batches" in line or "batches," in line]
 
 
-def test_verify_passes_against_the_runs_own_configuration(lab_runs):
+def test_verify_passes_against_the_runs_own_configuration(lab_runs, tmp_path):
     artifacts, _ = lab_runs
-    result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config")
+    result = run_python("verify.py", "--artifacts", artifacts, "--expect-from-config", "--pictures", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "| mod | pași optimizer/epocă | sincronizări/epocă | test accuracy |" in lines

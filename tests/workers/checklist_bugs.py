@@ -7,9 +7,10 @@ audited by tests/test_checklist.py: verify.py must refuse it, naming the checkli
 
 MODE is every, no_sync or both; each scenario trains into OUT/BUG-WAY-MODE/<mode> (compression_label_lies
 with --comm-hook bf16; BUG:WAY:MODE:PRECISION with --precision PRECISION, into OUT/BUG-WAY-MODE-PRECISION;
-BUG "none" in the loop is the lab). With --watch each run is also watched as a foreign script would be
-(ddp_no_sync_lab.watch: its witnesses installed for the run, its verdict judged after it): rank 0 writes the
-watcher's last line to the run's folder's watch.txt.
+BUG "none" in the loop is the lab). With --watch each run of a bug made in the loop (and the lab's) is also
+watched as a foreign script would be (ddp_no_sync_lab.watch: its witnesses installed for the run, its verdict
+judged after it): rank 0 writes the watcher's last line to the run's folder's watch.txt. A bug made beneath the
+loop is never watched: the watcher's own patches would sit over it.
 """
 
 import contextlib
@@ -263,7 +264,7 @@ def watched(output):
     """The run under the watcher, its verdict's last line written to OUTPUT/watch.txt by rank 0."""
     watch = Watch()
     watch.install()
-    yield
+    yield  # a run that raises ends the start (torchrun stops the other rank): no exchange to wait for
     watch.close()
     if dist.get_rank() == 0:
         (output / "watch.txt").write_text(judge(watch.observed).last_line() + "\n")
@@ -284,7 +285,7 @@ def main():
             needs += ["--precision", *precision] if precision else []
             args = module.parse_args(["--mode", mode, "--output", str(output), "--quiet", *options, *needs])
             with beneath(bug) if way != "loop" else contextlib.nullcontext():
-                with watched(output) if watching else contextlib.nullcontext():
+                with watched(output) if watching and way == "loop" else contextlib.nullcontext():
                     module.run(args, place)
     dist.destroy_process_group()
 
