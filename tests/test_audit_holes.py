@@ -6,6 +6,8 @@ dead NCCL peer bounded in time."""
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import (
+    REPO,
     SMALL_RUN,
     assert_ok,
     assert_one_line_error,
@@ -29,11 +32,88 @@ from conftest import (
     verify,
 )
 from ddp_no_sync_lab import experiment, files
-from ddp_no_sync_lab.audit import instruments, profiler
+from ddp_no_sync_lab.audit import instruments, profiler, projection
 from ddp_no_sync_lab.checks import strict_audit
 from ddp_no_sync_lab.run import launch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+# ----------------------------------------------------------------------------- the gradients' projection
+
+
+def projection_parameters():
+    """A channels_last convolution, a plain linear layer, and a parameter that is a view with gaps."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    gapped = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])
+    return [*conv.parameters(), *torch.nn.Linear(8, 4).parameters(), gapped]
+
+
+def in_memory_order(parameter, gradient):
+    """The gradient's elements in the order the parameter's memory holds them (contiguous where it has gaps)."""
+    dense = parameter.is_contiguous() or parameter.is_contiguous(memory_format=torch.channels_last)
+    laid_out = torch.empty_strided(parameter.shape, parameter.stride()) if dense else torch.empty(parameter.shape)
+    return laid_out.copy_(gradient).as_strided((parameter.numel(),), (1,)).double()
+
+
+def test_the_projection_pairs_each_element_with_its_weight_a_chunk_at_a_time(monkeypatch):
+    """Read in chunks of 7 elements, by memory order (channels_last), a gradient with gaps by logical order: the
+    same F and Q as one float64 dot product over the gradients laid end to end."""
+    monkeypatch.setattr(projection, "CHUNK", 7)
+    parameters = projection_parameters()
+    for parameter in parameters:  # contiguous gradients: the channels_last one is read in its parameter's order
+        parameter.grad = torch.randn(parameter.shape)
+    parameters[-1].grad = torch.randn(4, 8)[:, ::2]  # a gradient with gaps too
+    read = projection.Projection(parameters, torch.device("cpu"), world_size=2)
+    flat = torch.cat([in_memory_order(p, p.grad) for p in parameters])
+    held, none_held, sharded = read.held()
+    weights = read.weights.double()
+    assert (none_held, sharded) == (False, False)
+    assert held[0].item() == pytest.approx(torch.dot(weights, flat).item(), rel=1e-12)
+    assert held[1].item() == pytest.approx(torch.dot(flat, flat).item(), rel=1e-12)
+    read.begin_own()
+    for index, parameter in enumerate(parameters):
+        read.copy_own(index, parameter.grad)
+    assert torch.allclose(read.own_projection(), held, rtol=1e-12, atol=0)
+
+
+def test_a_second_gradient_in_one_backward_adds_to_f_and_bounds_q_by_the_norms_sum():
+    """Reentrant checkpointing can hand a parameter two gradients in one backward: F takes both, Q the square of
+    their norms' sum (at least their sum's squared norm), where a copy would have kept the last alone."""
+    (parameter,) = torch.nn.Linear(3, 2, bias=False).parameters()
+    read = projection.Projection([parameter], torch.device("cpu"), world_size=2)
+    first, second = torch.randn(2, 3), torch.randn(2, 3)
+    read.begin_own()
+    read.copy_own(0, first)
+    read.copy_own(0, second)
+    weights = read.weights.double()
+    f, q = read.own_projection().tolist()
+    assert f == pytest.approx(torch.dot(weights, (first.double() + second.double()).reshape(-1)).item(), rel=1e-12)
+    assert q == pytest.approx((first.double().norm() + second.double().norm()).item() ** 2, rel=1e-12)
+    assert q >= (first.double() + second.double()).norm().item() ** 2
+
+
+def test_the_projections_weights_are_the_same_whatever_the_cpus_vector_instructions():
+    """torch draws float32 normals with the CPU's vector instructions (or without: ATEN_CPU_CAPABILITY=default),
+    its float64 ones alike everywhere: nodes of unlike CPUs must project on the same weights."""
+    code = (
+        "import hashlib, torch\n"
+        "from ddp_no_sync_lab.audit import projection\n"
+        "weights = projection.projection_weights([torch.empty(100_003)], torch.device('cpu'))\n"
+        "print(hashlib.sha256(weights.numpy().tobytes()).hexdigest())"
+    )
+    digests = {
+        capability: subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=subprocess_env(ATEN_CPU_CAPABILITY=capability),
+            cwd=REPO,
+        ).stdout.strip()
+        for capability in ("default", "avx2")
+    }
+    assert len(digests["default"]) == 64 and digests["default"] == digests["avx2"], digests
 
 
 # ----------------------------------------------------------------------------- the step fingerprint
