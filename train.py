@@ -50,7 +50,7 @@ from ddp_no_sync_lab.run import launch, records, resume
 from ddp_no_sync_lab.strategies import ddp
 from ddp_no_sync_lab.strategies.fsdp import fsdp_in_range, wrap_sharded
 from ddp_no_sync_lab.strategies.surface import Wrapper
-from ddp_no_sync_lab.tasks import loaders
+from ddp_no_sync_lab.tasks import loaders, registry
 from model import CLASSES, MEMORY_FORMAT
 
 SCRIPT = launch.SCRIPT
@@ -66,7 +66,12 @@ def parse_args(argv=None):
     add("--mode", choices=experiment.MODES, required=True)
     add("--strategy", choices=experiment.STRATEGIES, default="ddp", help="fsdp: FSDP2's shards (docs/fsdp.md)")
     add("--output", type=Path, required=True, help="run folder to write, e.g. artifacts/every")
-    add("--task", choices=experiment.TASKS, default="cifar10", help="text: packed sequences (docs/packed.md)")
+    add(
+        "--task",
+        type=registry.task_name,
+        default="cifar10",
+        help="text: packed sequences (docs/packed.md); MODULE:CLASS: a task of your own (docs/architecture.md)",
+    )
     add("--epochs", type=positive_int, help="default: the task's documented number")
     add("--batch-size", type=positive_int, help="per rank: images, or text rows; default: the task's documented")
     add("--accum-steps", type=positive_int, default=experiment.DOCUMENTED["accum_steps"])
@@ -100,7 +105,7 @@ def parse_args(argv=None):
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--progress-every", type=non_negative_float, default=5.0, metavar="SECONDS", help="between progress lines")
     options = TrainOptions(**vars(parser.parse_args(argv)))
-    return fsdp_in_range(parser, experiment.in_range(parser, options))
+    return fsdp_in_range(parser, experiment.in_range(parser, options, registry.find_task(options.task).documented))
 
 
 # ----------------------------------------------------------------------------- DDP and its counting hook

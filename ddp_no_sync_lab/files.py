@@ -42,7 +42,7 @@ RUN_RECORD_FILE = "run.json"  # written last: the run's id, configuration and th
 RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE, SAMPLE_FILE, CONFUSION_FILE)
 
 
-TEXT_RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE)  # the text task draws no sample or confusion matrix
+TASK_RUN_FILES = (MODEL_FILE, HISTORY_FILE, REPORT_FILE)  # every task's; only the document's draws the two pictures
 
 
 # Written by train.py --profile-windows K: the profiled windows' summary (every rank) and rank 0's trace.

@@ -320,30 +320,52 @@ def image_data(tmp_path_factory):
 PROFILED = ["--profile-windows", "2"]
 
 
-@pytest.fixture(scope="session")
-def lab_runs(tmp_path_factory, image_data):
-    """Both modes trained once on the image-folder data, in one torchrun start, profiled (PROFILED): every with
-    progress lines, no_sync with --quiet; once for the session, whichever pytest-xdist worker asks first. The
-    reruns in test_e2e.py, each train.py's own command, unprofiled, must match them bit for bit."""
-    common = ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
+# A task of the user's own, outside the package (docs/architecture.md's recipe), found by train.py and verify.py
+# on PYTHONPATH as a user's would be.
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+VECTOR_TASK = ["--task", "vector_task:VectorTask", "--device", "cpu", "--quiet"]
 
-    def runs(folder):
-        artifacts = folder / "artifacts"
-        return [
-            ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
-            ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
-        ]
 
-    def train_both(folder):
+def shared_runs(folder, image_data):
+    """The session's shared start: both modes of the shared experiment, profiled (PROFILED), every with progress
+    lines and no_sync with --quiet; then both modes of the vector task (tests/tasks/vector_task.py)."""
+    artifacts, common = folder / "artifacts", ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
+    return [
+        ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
+        ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
+        *(["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES),
+    ]
+
+
+def shared_start(tmp_path_factory, image_data):
+    """The session's shared start's folder and its runs, made once, whichever pytest-xdist worker asks first."""
+
+    def train_all(folder):
         RUNNING["shared pair"] = True
         try:
-            train_in_one_start(folder / "logs", *runs(folder))
+            env = subprocess_env()
+            env["PYTHONPATH"] += f"{os.pathsep}{TASKS_DIR}"
+            train_in_one_start(folder / "logs", *shared_runs(folder, image_data), env=env)
         finally:
             RUNNING["shared pair"] = False
 
-    folder = made_once(tmp_path_factory, "shared-pair", train_both)
-    every, no_sync = runs_outputs(folder / "logs", runs(folder))
-    return folder / "artifacts", {"every": every, "no_sync": no_sync}
+    folder = made_once(tmp_path_factory, "shared-pair", train_all)
+    return folder, runs_outputs(folder / "logs", shared_runs(folder, image_data))
+
+
+@pytest.fixture(scope="session")
+def lab_runs(tmp_path_factory, image_data):
+    """Both modes of the shared experiment, trained once for the session in its shared start. The reruns in
+    test_e2e.py, each train.py's own command, unprofiled, must match them bit for bit."""
+    folder, outputs = shared_start(tmp_path_factory, image_data)
+    return folder / "artifacts", dict(zip(MODES, outputs[:2]))
+
+
+@pytest.fixture(scope="session")
+def vector_runs(tmp_path_factory, image_data):
+    """Both modes of the vector task, a task of the user's own, trained in the session's shared start."""
+    folder, outputs = shared_start(tmp_path_factory, image_data)
+    return folder / "vectors", dict(zip(MODES, outputs[2:]))
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ def test_runs_of_a_task_verify_does_not_know_are_refused_naming_it(runs, task):
     for mode in ("every", "no_sync"):
         edit_json(runs / mode / files.RUN_RECORD_FILE, lambda record: record["config"].update(task=task))
     line = assert_one_line_error(
-        audit(runs), f"the runs' task {task!r} is none verify.py knows (cifar10, text)", code=1
+        audit(runs), f"the runs' task {task!r} is none verify.py knows (cifar10, text, or MODULE:CLASS)", code=1
     )
     assert line.startswith(f"RuntimeError: {runs}/every/run.json: ")
     assert sorted(task_results.TASK_RESULTS) == sorted(experiment.TASKS)  # each task train.py runs has its checks

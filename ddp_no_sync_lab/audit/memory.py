@@ -77,7 +77,8 @@ def saved_activations(model):
             kind[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    entries = [stage[0] for stage in model.stages()] if model.activation_checkpointing else []
+    # A model that recomputes its stages (the lab's, --activation-checkpointing) names them; another has none.
+    entries = [stage[0] for stage in model.stages()] if getattr(model, "activation_checkpointing", False) else []
     handles = [entry.register_forward_pre_hook(lambda module, inputs: pack(inputs[0])) for entry in entries]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -14,7 +14,7 @@ from ddp_no_sync_lab.files import (
     HISTORY_FILE,
     RUN_FILES,
     RUN_RECORD_FILE,
-    TEXT_RUN_FILES,
+    TASK_RUN_FILES,
     AuditError,
     check,
     describe_unfinished,
@@ -73,7 +73,7 @@ def read_run_record(folder, mode):
     check(record.get("mode") == mode, path, f"expected mode={mode}, got {record.get('mode')}")
     check(isinstance(record.get("config"), dict), path, "no config")
     check(isinstance(record.get("files"), dict), path, "no files list")
-    for name in TEXT_RUN_FILES if record["config"].get("task") == "text" else RUN_FILES:
+    for name in RUN_FILES if record["config"].get("task") is None else TASK_RUN_FILES:  # None: the document's task
         entry = record["files"].get(name)
         check(
             isinstance(entry, dict) and is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str),

@@ -31,7 +31,7 @@ from ddp_no_sync_lab.files import claim_output, is_replaceable_output
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import Precision, choose_precision
 from ddp_no_sync_lab.tasks import data, loaders, packed
-from ddp_no_sync_lab.tasks.registry import TASKS, Task
+from ddp_no_sync_lab.tasks.registry import Task, find_task, task_file
 
 SCRIPT = "train.py"
 # The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
@@ -201,15 +201,17 @@ def hashed_code():
     return [LAB_ROOT / "train.py", LAB_ROOT / "model.py", *sorted(PACKAGE_ROOT.rglob("*.py"))]
 
 
-def code_and_versions():
+def code_and_versions(task_code: Path | None = None):
     """What every node must run alike besides its options: the lab's code (the SHA-256 of hashed_code(), each
-    file's path and bytes) and the versions of Python, torch, torchvision, CUDA and NCCL."""
+    file's path and bytes), a task's of its own outside the package (task_code, its file's SHA-256) and the versions
+    of Python, torch, torchvision, CUDA and NCCL."""
     digest = hashlib.sha256()
     for path in hashed_code():
         digest.update(f"{path.relative_to(LAB_ROOT)}\n".encode() + path.read_bytes())
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None  # the build's, GPU or not
     return {
         "code sha256": digest.hexdigest()[:16],
+        **({"task code sha256": hashlib.sha256(task_code.read_bytes()).hexdigest()[:16]} if task_code else {}),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchvision": data.torchvision_version(),
@@ -290,7 +292,8 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
     )
     remedy = "give every node one GPU per process, or pass --device cpu on every node"
     require_same(place, {"device": device_type}, "its device differs", remedy)
-    code = code_and_versions()
+    task = find_task(options.task)
+    code = code_and_versions(task_file(task))
     remedy = "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node"
     require_same(place, code, "its code or versions differ", remedy)
     device = torch.device("cpu")
@@ -298,7 +301,6 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
         device = torch.device("cuda", place.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     precision, hardware = agree_on_precision(options, place, device)
-    task = TASKS[options.task]
     # One process per node fetches the data for its node; the node's other processes wait here for it.
     agree(place, lambda: task.prepare_data(options) if place.local_rank == 0 else None)
     source = agree(place, lambda: task.load_source(options))

@@ -4,7 +4,7 @@ audit's); files.py writes them, each task its results (tasks/image.py, tasks/lan
 import torch
 import torch.distributed as dist
 
-from ddp_no_sync_lab.experiment import COUNTS, DDP_DEFAULTS, as_progressions
+from ddp_no_sync_lab.experiment import COUNTS, DDP_DEFAULTS, TASKS, as_progressions
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.run.launch import Place, Setup
 
@@ -38,6 +38,7 @@ def run_config(options: TrainOptions, place: Place, setup: Setup) -> dict:
         "hardware": setup.hardware,
         **{setting: getattr(options, setting) for setting in DDP_DEFAULTS},  # DDP's settings and the gradient hook
         **({"strategy": options.strategy} if options.strategy != "ddp" else {}),  # where not the document's
+        **({"task": options.task} if options.task not in TASKS else {}),  # a task of your own, as --task found it
         "torch": torch.__version__,
         "code": setup.code,  # the lab's code and versions, every node's (launch.code_and_versions)
     }

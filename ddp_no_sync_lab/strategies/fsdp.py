@@ -45,7 +45,7 @@ DDP_ONLY = (
     ("gradient_as_bucket_view", False, "--gradient-as-bucket-view is DDP's"),
 )
 NOT_YET = (
-    ("task", "cifar10", "--task text"),
+    ("task", "cifar10", "--task {task}"),  # the text task, or a task of your own
     ("resume", False, "--resume"),
     ("checkpoint_every_windows", None, "--checkpoint-every-windows"),
     ("activation_checkpointing", False, "--activation-checkpointing"),
@@ -61,6 +61,7 @@ def fsdp_in_range(parser: argparse.ArgumentParser, options: TrainOptions) -> Tra
             parser.error(f"argument --strategy fsdp: {why}; drop it, or run --strategy ddp")
     for name, default, option in NOT_YET:
         if getattr(options, name) != default:
+            option = option.format(task=options.task)
             parser.error(f"argument --strategy fsdp: {option} runs under --strategy ddp only (docs/fsdp.md); drop it")
     return options
 

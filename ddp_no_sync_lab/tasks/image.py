@@ -28,6 +28,7 @@ class ImageTask:
     """The document's task (tasks/registry.py's Task): its evaluation is train.py's own, the lesson's."""
 
     name = "cifar10"
+    documented = experiment.DOCUMENTED
     evaluate = None
 
     def prepare_data(self, options):

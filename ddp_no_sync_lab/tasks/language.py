@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ddp_no_sync_lab import files
-from ddp_no_sync_lab.experiment import IGNORE_INDEX
+from ddp_no_sync_lab.experiment import IGNORE_INDEX, TEXT_DOCUMENTED
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.tasks import packed
 from ddp_no_sync_lab.tasks.packed import CORPUS, ROW_LENGTH, SEPARATOR, VOCABULARY
@@ -230,6 +230,7 @@ class TextTask:
     transformer, each micro-batch's loss divided by its window's tokens (docs/packed.md)."""
 
     name = "text"
+    documented = TEXT_DOCUMENTED
     evaluate = staticmethod(evaluate)
 
     def prepare_data(self, options):

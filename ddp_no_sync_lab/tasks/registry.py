@@ -3,26 +3,35 @@
 A task decides its data (fetched, loaded, agreed between the nodes, split), each rank's loaders, its model and
 loss, how a window's micro-batches divide the loss, what its runs add to their configuration, how held-out data is
 evaluated, and its results. train.py and run/launch.py reach a task only through these; verify.py's checks of a
-task's results are checks/task_results.py's. docs/architecture.md says how to add one.
+task's results are checks/task_results.py's. docs/architecture.md says how to add one: in the package, or in a
+module of its own, named MODULE:CLASS (`train.py --task my_task:MyTask`, its folder on PYTHONPATH), which also
+names verify's checks of its results (its `results`, a checks/task_results.py TaskResults).
 """
 
+import argparse
+import functools
+import importlib
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.experiment import MicroStep
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.tasks.image import ImageTask
 from ddp_no_sync_lab.tasks.language import TextTask
 from ddp_no_sync_lab.tasks.loaders import Loaders
 
-__all__ = ["TASKS", "Task"]
+__all__ = ["TASKS", "Task", "find_task", "task_file", "task_name"]
 
 
 class Task(Protocol):
-    name: str  # train.py's --task (a run records it where its run_config does: the text task's)
+    name: str  # train.py's --task (a run records it where not the document's task)
+    documented: dict  # train.py's defaults of epochs, batch_size and partial_window for the task
     # Held-out data through the wrapper, summed over ranks: (ddp_model, loader, criterion, device, autocast,
     # progress, label, group) -> (loss, accuracy, ...). None: train.py's own, the document's ten-class evaluation.
     evaluate: Callable[..., tuple] | None
@@ -77,3 +86,45 @@ class Task(Protocol):
 
 
 TASKS: dict[str, Task] = {task.name: task for task in (ImageTask(), TextTask())}  # experiment.TASKS names them
+
+
+def task_members() -> list[str]:
+    """What a Task has: its annotated attributes and its methods (a structural Protocol checks none by itself)."""
+    methods = [name for name, value in vars(Task).items() if inspect.isfunction(value) and not name.startswith("_")]
+    return [*Task.__annotations__, *methods]
+
+
+@functools.cache
+def find_task(name: str) -> Task:
+    """The task train.py's --task names: the lab's by name, or MODULE:CLASS, a Task defined outside the package
+    (importable where train.py and verify.py run) and made here, its every member checked."""
+    if name in TASKS:
+        return TASKS[name]
+    module_name, _, class_name = name.partition(":")
+    if not module_name or not class_name.isidentifier():
+        raise LabError(f"task {name!r} is neither the lab's ({', '.join(TASKS)}) nor MODULE:CLASS, a task of your own")
+    try:
+        task = getattr(importlib.import_module(module_name), class_name)()
+    except (ImportError, AttributeError) as error:
+        raise LabError(
+            f"task {name}: {type(error).__name__}: {error}; put the folder that holds {module_name}.py on PYTHONPATH"
+        ) from None
+    missing = [member for member in task_members() if not hasattr(task, member)]
+    if missing:
+        raise LabError(f"task {name} lacks the Task members {', '.join(missing)} (ddp_no_sync_lab/tasks/registry.py)")
+    if task.name != name:
+        raise LabError(f"task {name} calls itself {task.name!r}: its name must be the MODULE:CLASS that finds it")
+    return task
+
+
+def task_name(name: str) -> str:
+    """train.py's --task type: the name of a task find_task finds, or the parser's one line of why not."""
+    try:
+        return find_task(name).name
+    except LabError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def task_file(task: Task) -> Path | None:
+    """The file of a task defined outside the package (the nodes must run it byte for byte), None for the lab's."""
+    return None if task.name in TASKS else Path(inspect.getfile(type(task)))
