@@ -298,6 +298,7 @@ def make_training(options, place, setup, config):
     configuration gains what they decided. The task (setup.task) decides the plan's divisors, model and loss."""
     plan = experiment.window_plan(len(setup.loaders.train), options.accum_steps, options.partial_window)
     plan = setup.task.window_plan(plan, options, config)
+    registry.check_window_plan(setup.task, plan, config)  # a task of your own: verify.py holds it to the lab's
 
     model = setup.task.build_model(options).to(setup.device, memory_format=MEMORY_FORMAT)
     if options.strategy == "fsdp":  # FSDP2's shards in place of DDP's replicas (ddp_no_sync_lab/strategies/fsdp.py)
@@ -308,8 +309,8 @@ def make_training(options, place, setup, config):
     criterion = setup.task.criterion()
     optimizer = make_optimizer(ddp_model.parameters(), setup.device)
     made = optimizer.param_groups[0]  # with the augmentation: what strict verify holds to the document's
-    config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"], augmentation=loaders.AUGMENTATION)
-    config.update(setup.task.run_config(options))
+    config.update(learning_rate=made["lr"], weight_decay=made["weight_decay"])
+    config.update(setup.task.run_config(options))  # the image task's augmentation, the text task's normalization
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.epochs)
     audit = face.attach(ddp_model, optimizer, criterion, comm_audit, setup.device)
     autocast = partial(setup.precision.autocast, setup.device.type)

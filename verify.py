@@ -90,6 +90,7 @@ def expected_configuration(args, records, task):
     if args.expect_from_config:
         expected_config = config
     else:
+        strict_audit.check_labs_task(artifacts / "every" / RUN_RECORD_FILE, config)
         for mode, record in records.items():  # the documented experiment ran on CIFAR-10 itself
             strict_audit.check_real_data(artifacts / mode, record)
         strict_audit.check_documented(artifacts / "every" / RUN_RECORD_FILE, config)

@@ -4,12 +4,15 @@ PYTHONPATH (in the session's shared start), and verify.py audits it against its 
 checklist item observed, finding the task by the name the runs recorded."""
 
 import hashlib
+import json
+import os
 import shutil
 import sys
 
 import pytest
+import torch
 
-from conftest import TASKS_DIR, assert_one_line_error, read_json, verify
+from conftest import TASKS_DIR, assert_one_line_error, read_json, run_in_process, run_python, subprocess_env, verify
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.run import launch
 from ddp_no_sync_lab.tasks import registry
@@ -69,6 +72,7 @@ def test_verify_finds_the_task_by_its_recorded_name_and_passes_every_checklist_i
     assert any(line.startswith("| no_sync | 5 | 5 | ") for line in lines), lines
     checklist = [line for line in lines if line.startswith(tuple(f"| {number} | " for number in range(1, 11)))]
     assert len(checklist) == 10 and all("| ✓ | ✓ |" in line for line in checklist), checklist
+    assert f"A task of your own ({NAME}): item 10 is its own checks of its results (its `results`)." in lines
     assert lines[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
 
 
@@ -86,47 +90,110 @@ def test_verify_refuses_in_one_line_a_task_it_cannot_import(vector_runs, tmp_pat
     )
 
 
-NOT_TASKS = [
-    "images",
-    "vector_task:",
-    "no_such_module:Task",
-    "vector_task:Nope",
-    "half_task:HalfTask",
-    "misnamed:Misnamed",
-]
+# Modules a user might name, each refused by find_task in one line (written into the test's folder).
+NOT_TASK_MODULES = {
+    "half_task.py": "class HalfTask:\n    name = 'half_task:HalfTask'\n",
+    "misnamed.py": "from vector_task import VectorTask\n\n\nclass Misnamed(VectorTask):\n    pass\n",
+    "misdocumented.py": "from vector_task import VectorTask\n\n\nclass Misdocumented(VectorTask):\n"
+    "    name = 'misdocumented:Misdocumented'\n    documented = {'epochs': 0, 'batch_size': 4}\n",
+    "broken_task.py": "raise RuntimeError('no data server configured')\n",
+    "needs_dependency.py": "import not_installed_dependency\n",
+}
+REFUSALS = {
+    "images": "task 'images' is neither the lab's (cifar10, text) nor MODULE:CLASS, a task of your own",
+    "vector_task:": "task 'vector_task:' is neither the lab's (cifar10, text) nor MODULE:CLASS, a task of your own",
+    "no_such_module:Task": "task no_such_module:Task: ModuleNotFoundError: No module named 'no_such_module'; put the "
+    "folder that holds no_such_module.py on PYTHONPATH",
+    "no_such.package:Task": "task no_such.package:Task: ModuleNotFoundError: No module named 'no_such'; put the "
+    "folder that holds no_such/package.py on PYTHONPATH",
+    "vector_task:Nope": "task vector_task:Nope: AttributeError: module 'vector_task' has no attribute 'Nope'",
+    "half_task:HalfTask": "task half_task:HalfTask lacks documented, evaluate, prepare_data, load_source, source_place, "
+    "make_split, build_loaders, build_model, criterion, window_plan, run_config, epoch_plan, write_results, results "
+    "(ddp_no_sync_lab/tasks/registry.py's Task, TaskResults)",
+    "misnamed:Misnamed": f"task misnamed:Misnamed calls itself '{NAME}': its name must be the MODULE:CLASS that finds "
+    "it",
+    "misdocumented:Misdocumented": "task misdocumented:Misdocumented: its documented epochs=0, partial_window=None: "
+    "epochs and batch_size must be positive whole numbers, partial_window one of ('error', 'scale')",
+    "broken_task:Task": "task broken_task:Task: RuntimeError: no data server configured",
+    "needs_dependency:Task": "task needs_dependency:Task: ModuleNotFoundError: No module named "
+    "'not_installed_dependency'",
+}
 
 
-def test_a_task_name_train_py_cannot_use_is_refused_in_one_line(task_on_path, tmp_path):
-    """train.py's --task: the lab's names, or MODULE:CLASS with every Task member and its own name."""
-    (tmp_path / "half_task.py").write_text("class HalfTask:\n    name = 'half_task:HalfTask'\n")
-    (tmp_path / "misnamed.py").write_text(
-        "from vector_task import VectorTask\n\nclass Misnamed(VectorTask):\n    pass\n"
-    )
-    sys.path.insert(0, str(tmp_path))
-    try:
-        refusals = {}
-        for name in NOT_TASKS:
-            with pytest.raises(LabError) as refused:
-                registry.find_task(name)
-            refusals[name] = str(refused.value)
-    finally:
-        sys.path.remove(str(tmp_path))
-        for module in ("half_task", "misnamed"):
-            sys.modules.pop(module, None)
-    assert refusals == {
-        "images": "task 'images' is neither the lab's (cifar10, text) nor MODULE:CLASS, a task of your own",
-        "vector_task:": "task 'vector_task:' is neither the lab's (cifar10, text) nor MODULE:CLASS, a task of your own",
-        "no_such_module:Task": "task no_such_module:Task: ModuleNotFoundError: No module named 'no_such_module'; put "
-        "the folder that holds no_such_module.py on PYTHONPATH",
-        "vector_task:Nope": "task vector_task:Nope: AttributeError: module 'vector_task' has no attribute 'Nope'; put "
-        "the folder that holds vector_task.py on PYTHONPATH",
-        "half_task:HalfTask": "task half_task:HalfTask lacks the Task members documented, evaluate, prepare_data, "
-        "load_source, source_place, make_split, build_loaders, build_model, criterion, window_plan, run_config, "
-        "epoch_plan, write_results (ddp_no_sync_lab/tasks/registry.py)",
-        "misnamed:Misnamed": f"task misnamed:Misnamed calls itself '{NAME}': its name must be the MODULE:CLASS that "
-        "finds it",
-    }
+@pytest.fixture
+def not_tasks(task_on_path, tmp_path, monkeypatch):
+    for name, source in NOT_TASK_MODULES.items():
+        (tmp_path / name).write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in NOT_TASK_MODULES:
+        sys.modules.pop(name.removesuffix(".py"), None)
+
+
+def test_a_task_name_train_py_cannot_use_is_refused_in_one_line(not_tasks):
+    """train.py's --task: the lab's names, or MODULE:CLASS with every member of Task and TaskResults, its own
+    name and its documented options; whatever its module's code raises is said in one line, the PYTHONPATH remedy
+    only where the module itself was not found."""
+    refusals = {}
+    for name in REFUSALS:
+        with pytest.raises(LabError) as refused:
+            registry.find_task(name)
+        refusals[name] = str(refused.value)
+    assert refusals == REFUSALS
     assert registry.find_task(NAME).name == NAME and registry.find_task("text") is registry.TASKS["text"]
+
+
+def test_train_py_refuses_a_task_whose_module_fails_in_one_line_before_training(not_tasks):
+    """The parser's refusal, as a user sees it: one line, exit 2, no traceback (under torchrun every node stops on
+    it: launch.TorchrunArgumentParser)."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(not_tasks), str(TASKS_DIR), env["PYTHONPATH"]])
+    result = run_python("train.py", "--task", "broken_task:Task", "--mode", "every", "--output", not_tasks, env=env)
+    line = assert_one_line_error(result, "argument --task: task broken_task:Task: RuntimeError: no data server")
+    assert line.startswith("train.py: error: ")
+
+
+def test_the_strict_audit_refuses_a_task_of_your_own_naming_expect_from_config(vector_runs, task_on_path):
+    result = run_in_process("verify.py", "--artifacts", vector_runs[0])
+    assert_one_line_error(
+        result,
+        f"{vector_runs[0]}/every/run.json: the strict audit holds the lab's documented experiments (cifar10, text), "
+        f"and these runs trained the task {NAME}: audit them with --expect-from-config",
+        code=1,
+    )
+
+
+def test_the_tasks_own_checks_refuse_its_report_and_checkpoint_altered(vector_runs, task_on_path, tmp_path):
+    """Item 10 for a task of your own: its `results` (VectorResults) read the report and checkpoint before the
+    lab's checksums do."""
+    runs = tmp_path / "vectors"
+    shutil.copytree(vector_runs[0], runs)
+    report = read_json(runs / "no_sync" / "report.json")
+    (runs / "no_sync" / "report.json").write_text(json.dumps({**report, "model_test_accuracy": 0.99}))
+    assert_one_line_error(verify(runs), f"{runs}/no_sync/report.json: accuracy not its matrix's", code=1)
+    shutil.copy(vector_runs[0] / "no_sync" / "report.json", runs / "no_sync" / "report.json")
+    checkpoint = torch.load(runs / "every" / "model.pt", weights_only=True)
+    del checkpoint["model"]["2.bias"]
+    torch.save(checkpoint, runs / "every" / "model.pt")
+    line = assert_one_line_error(verify(runs), f"{runs}/every/model.pt: not this task's checkpoint", code=1)
+    assert line.endswith('Missing key(s) in state_dict: "2.bias".)')
+
+
+def test_verify_notes_a_copy_of_the_task_other_than_the_one_that_trained(
+    vector_runs, task_on_path, tmp_path, monkeypatch
+):
+    """verify.py imports the task found first on its path: another copy than the one that trained is noted."""
+    copy = tmp_path / "elsewhere" / "vector_task.py"
+    copy.parent.mkdir()
+    copy.write_text((TASKS_DIR / "vector_task.py").read_text() + "\n# another copy\n")
+    monkeypatch.syspath_prepend(str(copy.parent))
+    result = verify(vector_runs[0], "--pictures", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    trained_by = registry.code_sha256(TASKS_DIR / "vector_task.py")
+    assert (
+        f"note: the runs trained with another copy of {copy} (sha256 {trained_by}): its checks are this one's"
+        in result.stdout.splitlines()
+    )
 
 
 def test_the_nodes_code_covers_a_task_of_your_own_byte_for_byte(task_on_path, tmp_path):

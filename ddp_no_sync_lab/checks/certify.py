@@ -448,6 +448,8 @@ def print_checklist(runs, config):
     print("|---:|---|---|" + ":---:|" * len(runs) + "---|")
     for number, ((text, gloss), witness) in enumerate(zip(ITEMS, WITNESSES), start=1):
         print(f"| {number} | {text} | {gloss} | " + " | ".join("✓" for _ in runs) + f" | {witness} |")
+    if config.get("task") not in (None, *experiment.TASKS):
+        print(f"A task of your own ({config['task']}): item 10 is its own checks of its results (its `results`).")
     if config.get("task") == "text":
         print(
             "The text task: items 2 and 3 count rows and target tokens, item 4 divides each loss by its window's "

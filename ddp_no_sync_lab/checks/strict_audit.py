@@ -42,6 +42,18 @@ def check_token_normalization(path, runs, config):
         )
 
 
+def check_labs_task(path, config):
+    """The strict audit holds the lab's documented experiments: a task of your own is audited against its runs'
+    own configuration."""
+    name = config.get("task", "cifar10")
+    check(
+        name in experiment.TASKS,
+        path,
+        f"the strict audit holds the lab's documented experiments ({', '.join(experiment.TASKS)}), and these runs "
+        f"trained the task {name}: audit them with --expect-from-config",
+    )
+
+
 def check_real_data(folder, record):
     """The strict audit: the documented experiment ran on real data, not tools/synthetic_data.py's."""
     check(

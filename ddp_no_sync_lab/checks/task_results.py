@@ -1,12 +1,10 @@
 """verify.py's checks of what each task decides, found by the task a run recorded (its config's "task"; the
 document's runs record none): its model (the communication sizes come from its parameters), its documented
 configuration, its results per run (report, checkpoint, pictures), and what it holds across the pair. The lab's
-tasks' checks are here; a task of your own (MODULE:CLASS) names its own as its `results`."""
+tasks' checks are here (tasks/registry.py's TaskResults); a task of your own (MODULE:CLASS) names its own as its
+`results`."""
 
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.checks import certify, facts, strict_audit
@@ -15,28 +13,7 @@ from ddp_no_sync_lab.files import CONFUSION_FILE, MODEL_FILE, REPORT_FILE, RUN_R
 from ddp_no_sync_lab.tasks import language, registry
 from model import IMAGE_SIZE, CifarCNN
 
-__all__ = ["TaskResults", "task_results"]
-
-
-class TaskResults(Protocol):
-    """What verify.py asks of a task's checks; a refusal is an AuditError (one line, exit 1)."""
-
-    name: str  # the task's, as its runs record it
-
-    def model(self) -> torch.nn.Module:
-        """The model the runs trained, freshly made: the communication counts follow from its parameters."""
-
-    def documented(self, config: dict) -> dict:
-        """The documented experiment the strict audit holds the runs to."""
-
-    def prepare(self, artifacts: Path, config: dict, strict: bool) -> None:
-        """What the pair's checks need, made once before the runs are read."""
-
-    def check_run(self, folder: Path, mode: str, record: dict, strict: bool) -> dict:
-        """One run's results (report, checkpoint, pictures); returns its report."""
-
-    def check_pair(self, artifacts: Path, config: dict, runs: dict, strict: bool) -> None:
-        """What the two runs' results must hold together."""
+__all__ = ["TASK_RESULTS", "task_results"]
 
 
 class ImageResults:
@@ -108,7 +85,7 @@ class TextResults:
 TASK_RESULTS = {results.name: results for results in (ImageResults, TextResults)}
 
 
-def task_results(config: dict, path: Path) -> TaskResults:
+def task_results(config: dict, path: Path) -> registry.TaskResults:
     """The checks of the task the runs recorded, made for this audit (they keep what a pair's check needs): the
     lab's by name, a task of your own (MODULE:CLASS) by its `results`, imported as train.py imported it."""
     name = config.get("task")
@@ -124,6 +101,10 @@ def task_results(config: dict, path: Path) -> TaskResults:
         task = registry.find_task(name)
     except LabError as error:
         raise AuditError(f"{path}: the runs' {error}") from None
-    if not hasattr(task, "results"):
-        raise AuditError(f"{path}: the runs' task {name} names no `results`, verify's checks of them (TaskResults)")
+    task_file = registry.task_file(task)
+    trained_by = config.get("code", {}).get("task code sha256")
+    if trained_by != registry.code_sha256(task_file):
+        print(
+            f"note: the runs trained with another copy of {task_file} (sha256 {trained_by}): its checks are this one's"
+        )
     return task.results()

@@ -31,7 +31,7 @@ from ddp_no_sync_lab.files import claim_output, is_replaceable_output
 from ddp_no_sync_lab.options import TrainOptions
 from ddp_no_sync_lab.precision import Precision, choose_precision
 from ddp_no_sync_lab.tasks import data, loaders, packed
-from ddp_no_sync_lab.tasks.registry import Task, find_task, task_file
+from ddp_no_sync_lab.tasks.registry import Task, code_sha256, find_task, task_file
 
 SCRIPT = "train.py"
 # The start-up's group (gloo) waits up to 10 minutes for a stuck (alive but silent) peer, each node's CIFAR-10
@@ -211,7 +211,7 @@ def code_and_versions(task_code: Path | None = None):
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None  # the build's, GPU or not
     return {
         "code sha256": digest.hexdigest()[:16],
-        **({"task code sha256": hashlib.sha256(task_code.read_bytes()).hexdigest()[:16]} if task_code else {}),
+        **({"task code sha256": code_sha256(task_code)} if task_code else {}),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchvision": data.torchvision_version(),
@@ -284,6 +284,13 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
                 f"{SCRIPT}: node {place.node} of {place.nodes}; rank 0 writes the artifacts on {host} into {output}",
                 file=sys.stderr,
             )
+    # The code first: a task of your own decides some defaults (its documented options) in its own file.
+    task = find_task(options.task)
+    code = code_and_versions(task_file(task))
+    remedy = "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node"
+    if task_file(task):
+        remedy += f", and the same {task_file(task).name}"
+    require_same(place, code, "its code or versions differ", remedy)
     require_same(
         place,
         shared_settings(options),
@@ -292,10 +299,6 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
     )
     remedy = "give every node one GPU per process, or pass --device cpu on every node"
     require_same(place, {"device": device_type}, "its device differs", remedy)
-    task = find_task(options.task)
-    code = code_and_versions(task_file(task))
-    remedy = "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node"
-    require_same(place, code, "its code or versions differ", remedy)
     device = torch.device("cpu")
     if device_type == "cuda":  # a GPU per process, or with --gpu-backend gloo processes sharing them in turn
         device = torch.device("cuda", place.local_rank % torch.cuda.device_count())

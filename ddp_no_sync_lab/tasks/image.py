@@ -61,7 +61,7 @@ class ImageTask:
         return experiment.sample_plan(plan, config)  # a short micro-batch's window: per sample
 
     def run_config(self, options):
-        return {}
+        return {"augmentation": loaders.AUGMENTATION}
 
     def epoch_plan(self, plan, split, options, place, epoch):
         return plan

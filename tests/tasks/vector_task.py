@@ -121,7 +121,7 @@ class VectorResults:
             checkpoint = torch.load(path, weights_only=True)
             mlp().load_state_dict(checkpoint["model"])  # every weight of the MLP, none else
         except (OSError, RuntimeError, KeyError, TypeError) as error:
-            raise files.AuditError(f"{path}: not this task's checkpoint ({error})") from None
+            raise files.AuditError(f"{path}: not this task's checkpoint ({' '.join(str(error).split())})") from None
         files.check(checkpoint.get("run_id") == record["run_id"], path, "another run's")
         return report
 
@@ -171,7 +171,9 @@ class VectorTask:
         return nn.CrossEntropyLoss()
 
     def window_plan(self, plan, options, config):
-        return experiment.sample_plan(plan, config)  # a short micro-batch's window divided per sample
+        if options.loss_normalization != "tokens":  # recorded where not the default, as the lab's image task does
+            config.update(loss_normalization=options.loss_normalization)
+        return experiment.sample_plan(plan, config)  # the lab's plan: a short micro-batch's window per sample
 
     def run_config(self, options):
         return {"augmentation": "none", "model": "MLP 16-32-10"}
