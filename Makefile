@@ -37,10 +37,11 @@ $(VENV)/.requirements: requirements.txt pyproject.toml | $(PY)
 	$(install_package)
 	touch $@
 
+# requirements-dev.txt holds requirements.txt: one install makes both (CI's lint, check and tests in one pip run).
 $(VENV)/.requirements-dev: requirements-dev.txt requirements.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -r requirements-dev.txt
 	$(install_package)
-	touch $@
+	touch $(VENV)/.requirements $@
 
 # The documented experiment: both modes, 5 epochs, local batch 50, accum_steps 4; on two GPUs when there
 # are two, else on CPU (train.py's device policy). Then the audit and one inference.
@@ -77,15 +78,20 @@ text-quick: $(VENV)/.requirements
 
 # The 15 slowest tests are listed at the end of every run, so that a slow one shows itself. Two test files run
 # at a time (pytest-xdist, each file whole in one worker, its fixtures with it): one file's launchers and waits
-# leave the cores to the other's ranks.
-PYTEST := -m pytest -q --strict-markers --durations=15 -n 2 --dist loadfile
+# leave the cores to the other's ranks. The files go out longest first (tests/conftest.py's LONGEST_FIRST).
+PYTEST := -m pytest -q --strict-markers --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
+# The checkout's own bytecode, made once: the suite starts about 250 Python processes, each importing the lab,
+# and where PYTHONDONTWRITEBYTECODE is set Python would compile its modules again in every one of them.
+COMPILE := -m compileall -q ddp_no_sync_lab tests tools benchmarks model.py train.py verify.py infer.py check_env.py
 
 test: $(VENV)/.requirements-dev
+	$(PY) $(COMPILE)
 	$(PY) $(PYTEST) tests
 
 # The inner loop: the tests that start no torchrun job of their own (they may read the shared pair, one start
 # per test worker), within 2 minutes; `make test` runs these and the rest (docs/tests.md).
 test-fast: $(VENV)/.requirements-dev
+	$(PY) $(COMPILE)
 	$(PY) $(PYTEST) -m "not torchrun" tests
 
 # The style: ruff's formatter and linter (ruff.toml), checked, never rewritten here (`ruff format .` does).
