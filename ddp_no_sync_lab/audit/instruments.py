@@ -197,7 +197,8 @@ def fingerprint(tensors):
     flat = torch.cat([local(tensor).detach().reshape(-1) for tensor in tensors]).float()
     bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     weights = fingerprint_weights(flat.numel(), flat.device)
-    lanes = [(bits % prime * weight % prime).sum() % prime for prime, weight in zip(FINGERPRINT_PRIMES, weights)]
+    # bits < 2**32 and weight < prime < 2**31: their product fits in int64, so one reduction per lane suffices.
+    lanes = [(bits * weight % prime).sum() % prime for prime, weight in zip(FINGERPRINT_PRIMES, weights)]
     return torch.stack([*lanes, (~torch.isfinite(flat)).sum()])
 
 
