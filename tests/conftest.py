@@ -199,6 +199,7 @@ def train(data_dir, output, mode, *extra, env=None, launcher=()):
 
 
 RUNS_WORKER = WORKERS.relative_to(REPO) / "runs.py"
+REFUSED = "REFUSED"  # a run of tests/workers/runs.py that must end in a start-up refusal
 
 
 def runs_worker_arguments(logs, runs):
@@ -356,14 +357,32 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 VECTOR_TASK = ["--task", "vector_task:VectorTask", "--device", "cpu", "--quiet"]
 
 
+# train.py's single-node start-up refusals that the tests read from the shared start (each a run marked REFUSED in
+# tests/workers/runs.py): its options after the shared experiment's (the last of an option counts), and its
+# injections. That a refusal also ends train.py's job, in one line, is tested as a command (test_faults.py).
+CLOSED_PORT_URL = "LAB_TEST_CIFAR_URL=http://127.0.0.1:9/cifar-10-python.tar.gz"
+SHARED_REFUSALS = {
+    "profile-windows": ([], lambda folder: ["--profile-windows", "4", "--quiet"]),
+    "partial-window": ([], lambda folder: ["--batch-size", "12"]),  # 80 images per rank in micro-batches of 12: 7
+    "cuda": ([], lambda folder: ["--device", "cuda"]),
+    "download": ([CLOSED_PORT_URL], lambda folder: ["--data-dir", folder / "empty"]),  # a folder without data
+}
+
+
 def shared_runs(folder, image_data):
     """The session's shared start: both modes of the shared experiment, profiled (PROFILED), every with progress
-    lines and no_sync with --quiet; then both modes of the vector task (tests/tasks/vector_task.py)."""
+    lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py); then the
+    refusals of SHARED_REFUSALS, each into its own output folder."""
     artifacts, common = folder / "artifacts", ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
     return [
         ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
         ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
         *(["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES),
+        *(
+            [REFUSED, *injections, "--mode", "every", "--output", folder / "refused" / name]
+            + ["--data-dir", image_data, *SMALL_RUN, *options(folder)]
+            for name, (injections, options) in SHARED_REFUSALS.items()
+        ),
     ]
 
 
@@ -395,7 +414,25 @@ def lab_runs(tmp_path_factory, image_data):
 def vector_runs(tmp_path_factory, image_data):
     """Both modes of the vector task, a task of the user's own, trained in the session's shared start."""
     folder, outputs = shared_start(tmp_path_factory, image_data)
-    return folder / "vectors", dict(zip(MODES, outputs[2:]))
+    return folder / "vectors", dict(zip(MODES, outputs[2:4]))
+
+
+@pytest.fixture(scope="session")
+def shared_refusals(tmp_path_factory, image_data):
+    """SHARED_REFUSALS' runs in the session's shared start: their output folders' parent, and each one's stderr."""
+    folder, outputs = shared_start(tmp_path_factory, image_data)
+    return folder / "refused", {name: output.stderr for name, output in zip(SHARED_REFUSALS, outputs[4:])}
+
+
+def assert_refused(stderr, *fragments):
+    """A run of train.py refused at start-up (read from a REFUSED run's log): one line holding every fragment, the
+    only error, no traceback."""
+    lines = stderr.splitlines()
+    ours = [line for line in lines if all(fragment in line for fragment in fragments)]
+    assert len(ours) == 1, f"expected one line with {fragments}:\n{stderr[-3000:]}"
+    assert len([line for line in lines if "error:" in line or "Error:" in line]) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "no refusal" not in stderr, stderr[-3000:]
+    return ours[0]
 
 
 @pytest.fixture

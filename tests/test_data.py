@@ -12,14 +12,13 @@ from torchvision.datasets import CIFAR10
 from conftest import (
     SOURCE_IMAGES,
     TEST_IMAGES,
-    assert_train_error,
+    assert_refused,
     md5_sums,
     subprocess_env,
     train_pair,
     verify,
     write_png_with_a_damaged_chunk,
 )
-from conftest import train as run_train
 from ddp_no_sync_lab import cli
 from ddp_no_sync_lab.tasks import data
 from tools import synthetic_data
@@ -142,11 +141,8 @@ def test_a_missing_class_or_an_unreadable_image_is_one_error(tmp_path):
         data.load_data(broken)
 
 
-@pytest.mark.torchrun
-def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(tmp_path):
-    env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
-    result = run_train(tmp_path / "empty", tmp_path / "out", "every", env=env)
-    line = assert_train_error(result, "CIFAR-10 could not be downloaded into")
+def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(shared_refusals):
+    line = assert_refused(shared_refusals[1]["download"], "CIFAR-10 could not be downloaded into")
     assert "image-folder tree" in line and "cifar-10-python.tar.gz" in line
 
 

@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     SMALL_RUN,
     assert_one_line_error,
+    assert_refused,
     assert_train_error,
     read_json,
     run_in_process,
@@ -75,19 +76,22 @@ def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):
     assert (tmp_path / "foreign" / "thesis.tex").read_text() == "keep me"
 
 
-@pytest.mark.torchrun
-def test_device_cuda_without_gpus_names_the_remedy(image_data, tmp_path):
-    result = train(image_data, tmp_path / "out", "every", "--device", "cuda")
-    assert_train_error(result, "--device cuda needs one GPU per process: 2 processes on this node, 0 GPU(s) visible")
+def test_device_cuda_without_gpus_names_the_remedy(shared_refusals):
+    assert_refused(
+        shared_refusals[1]["cuda"],
+        "--device cuda needs one GPU per process: 2 processes on this node, 0 GPU(s) visible",
+    )
 
 
-@pytest.mark.torchrun
-def test_a_partial_last_window_stops_before_training_with_the_documents_message(image_data, tmp_path):
+def test_a_partial_last_window_stops_before_training_with_the_documents_message(shared_refusals):
     # 80 images per rank in micro-batches of 12: 7 micro-batches, not a multiple of 4.
-    result = train(image_data, tmp_path / "out", "every", "--batch-size", "12")
-    line = assert_train_error(result, "RuntimeError: 7 micro-batch-uri nu se împart exact la accum_steps=4")
+    refused, stderr = shared_refusals
+    line = assert_refused(
+        stderr["partial-window"], "RuntimeError: 7 micro-batch-uri nu se împart exact la accum_steps=4"
+    )
     assert "--partial-window scale" in line
-    assert not tmp_path.joinpath("out").exists() and files.unfinished_runs(tmp_path / "out") == []
+    output = refused / "partial-window"
+    assert not output.exists() and files.unfinished_runs(output) == []
 
 
 @pytest.mark.torchrun

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     MODES,
     PROFILED,
+    REFUSED,
     REPO,
     RUNS_WORKER,
     SMALL_RUN,
@@ -163,30 +164,87 @@ def assert_both_nodes_stop(results, seconds, *fragments):
         assert_train_error(result, *fragments, store_may_go_first=True)
 
 
-@pytest.mark.torchrun
-def test_nodes_with_different_data_both_stop_naming_the_node(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    cat = sorted((node1 / "data" / "train" / "cat").iterdir())[0]
-    shutil.copy(sorted((node1 / "data" / "train" / "dog").iterdir())[0], cat)  # one image differs
-    results, seconds = two_nodes([node0, node1], *same_run("every"))
-    assert_both_nodes_stop(
-        results,
-        seconds,
-        "train.py: error: [rank 1, node 1] its data in data/ differ from rank 0's: fingerprint of images and labels",
-    )
-    # The output was checked and claimed (its lock file), nothing was written.
-    assert [path.name for path in (node0 / "artifacts").iterdir()] == [".every.lock"]
+# Each way the nodes can disagree at start-up, as node 0's and node 1's runs of train.py (their options, data
+# folder and test-only injections), and the line both nodes must stop on. All in one two-node start
+# (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is tested as a command:
+# options that differ (below), a node running other code, a killed rank, CPUs that would choose another precision.
+CLOSED_PORT_URL = "LAB_TEST_CIFAR_URL=http://127.0.0.1:9/cifar-10-python.tar.gz"
+NODE_REFUSALS = {
+    "data": (
+        [],
+        [],
+        ["--data-dir", "differing"],  # node 1's copy has one image of another class
+        "train.py: error: [rank 1, node 1] its data in differing/ differ from rank 0's: fingerprint of images and "
+        "labels",
+    ),
+    "no data": (
+        [CLOSED_PORT_URL],
+        [CLOSED_PORT_URL],
+        ["--data-dir", "absent"],  # node 1 has none and cannot download it
+        "train.py: error: [rank 1, node 1] CIFAR-10 could not be downloaded into absent/",
+    ),
+    "world size": ([], ["--expected-world-size", "4"], [], "ValueError: [rank 1, node 1] expected world_size=4, got 2"),
+    "devices": (
+        ["LAB_TEST_FAKE_GPUS=1:1"],  # node 1 sees a GPU for its one process (faked: CI has none), node 0 none
+        ["LAB_TEST_FAKE_GPUS=1:1"],
+        ["--device", "auto"],  # the last --device counts
+        "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process",
+    ),
+    "parse": (
+        [],
+        ["--epochs", "0"],
+        [],
+        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
+    ),
+    "torch": (
+        ["LAB_TEST_NODE_TORCH_VERSION=1:2.7.0"],
+        ["LAB_TEST_NODE_TORCH_VERSION=1:2.7.0"],
+        [],
+        f"[rank 1, node 1] its code or versions differ from rank 0's: torch 2.7.0 vs {torch.__version__}",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def node_refusals(tmp_path_factory, image_data):
+    """NODE_REFUSALS' runs, one after the other in one two-node start; each node's stderr of each, by name."""
+    root = tmp_path_factory.mktemp("refusals")
+    node0, node1 = node_folders(root, image_data)
+    for folder in (node0, node1):
+        shutil.copytree(image_data, folder / "differing")
+    cat = sorted((node1 / "differing" / "train" / "cat").iterdir())[0]
+    shutil.copy(sorted((node1 / "differing" / "train" / "dog").iterdir())[0], cat)
+    shutil.copytree(image_data, node0 / "absent")
+    runs = [[], []]
+    for name, (node0_words, node1_words, both, _) in NODE_REFUSALS.items():
+        args, _ = same_run("every", both)
+        args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
+        runs[0].append([REFUSED, *node0_words, *args])
+        runs[1].append([REFUSED, *node1_words, *args])
+    logs = root / "logs"
+    node_args = [runs_worker_arguments(logs, node_runs) for node_runs in runs]
+    results, _ = finish(start_nodes([node0, node1], *node_args, script=RUNS_WORKER))
+    for result in results:
+        assert_ok(result)
+    return node0, {
+        name: [(logs / f"{number}.rank{node}.stderr").read_text() for node in (0, 1)]
+        for number, name in enumerate(NODE_REFUSALS)
+    }
 
 
 @pytest.mark.torchrun
-def test_a_node_without_data_that_cannot_download_stops_both(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    shutil.rmtree(node1 / "data")
-    env = subprocess_env(LAB_TEST_CIFAR_URL="http://127.0.0.1:9/cifar-10-python.tar.gz")
-    results, seconds = two_nodes([node0, node1], *same_run("every"), env=env)
-    assert_both_nodes_stop(
-        results, seconds, "train.py: error: [rank 1, node 1] CIFAR-10 could not be downloaded into data/"
-    )
+@pytest.mark.parametrize("refusal", NODE_REFUSALS)
+def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(node_refusals, refusal):
+    """Data, a node without data that cannot download it, the world size, devices, an option one node cannot
+    parse, another torch: every rank raises at the same check, and each node says it in one line."""
+    node0, stderr = node_refusals
+    line = NODE_REFUSALS[refusal][3]
+    for node, text in enumerate(stderr[refusal]):
+        assert [row for row in text.splitlines() if line in row] != [], f"node {node}:\n{text[-3000:]}"
+        assert "Traceback" not in text and "no refusal" not in text, text[-3000:]
+        assert len([row for row in text.splitlines() if "error:" in row or "Error:" in row]) == 1, text[-3000:]
+    if refusal == "data":  # its output was checked and claimed (its lock file), nothing was written
+        assert not (node0 / "artifacts" / "data").exists() and (node0 / "artifacts" / ".data.lock").exists()
 
 
 @pytest.mark.torchrun
@@ -198,16 +256,6 @@ def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
     assert_both_nodes_stop(
         results, seconds, "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every"
     )
-
-
-@pytest.mark.torchrun
-def test_a_node_that_expects_another_world_size_stops_both(tmp_path, image_data):
-    """The check of the world's size runs on every rank and is agreed: a node that refuses it alone does not
-    leave the other waiting for it in the process group's start."""
-    node0, node1 = node_folders(tmp_path, image_data)
-    args, _ = same_run("every")
-    results, seconds = two_nodes([node0, node1], args, [*args, "--expected-world-size", "4"])
-    assert_both_nodes_stop(results, seconds, "ValueError: [rank 1, node 1] expected world_size=4, got 2")
 
 
 @pytest.mark.torchrun
@@ -227,31 +275,6 @@ def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_d
     assert "Connection closed by peer" in results[0].stderr or "Connection reset by peer" in results[0].stderr, results[
         0
     ].stderr[-3000:]
-
-
-@pytest.mark.torchrun
-def test_nodes_that_would_run_on_different_devices_both_stop(tmp_path, image_data):
-    """--device auto on node 1 with a GPU for its one process (faked: CI has none) and on node 0 without."""
-    node0, node1 = node_folders(tmp_path, image_data)
-    args, _ = same_run("every", ["--device", "auto"])  # the last --device counts
-    results, seconds = two_nodes([node0, node1], args, args, env=subprocess_env(LAB_TEST_FAKE_GPUS="1:1"))
-    assert_both_nodes_stop(
-        results,
-        seconds,
-        "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process",
-    )
-
-
-@pytest.mark.torchrun
-def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    good, _ = same_run("every")
-    results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
-    assert_both_nodes_stop(
-        results,
-        seconds,
-        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
-    )
 
 
 @pytest.mark.torchrun
@@ -314,14 +337,4 @@ def test_a_node_running_other_code_stops_both(tmp_path, image_data):
         seconds,
         "[rank 1, node 1] its code or versions differ from rank 0's: code sha256",
         "run one checkout of the lab",
-    )
-
-
-@pytest.mark.torchrun
-def test_a_node_with_another_torch_stops_both(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    env = subprocess_env(LAB_TEST_NODE_TORCH_VERSION="1:2.7.0")
-    results, seconds = two_nodes([node0, node1], *same_run("every"), env=env)
-    assert_both_nodes_stop(
-        results, seconds, f"its code or versions differ from rank 0's: torch 2.7.0 vs {torch.__version__}"
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import assert_one_line_error, assert_train_error, copy_runs, read_json, train, verify
+from conftest import assert_one_line_error, assert_refused, copy_runs, read_json, verify
 from ddp_no_sync_lab import files
 from ddp_no_sync_lab.report import tables
 
@@ -129,15 +129,15 @@ def test_a_profile_that_is_not_the_runs_own_fails(runs):
     )
 
 
-@pytest.mark.torchrun
-def test_more_windows_than_an_epoch_holds_is_one_line(image_data, tmp_path):
-    result = train(image_data, tmp_path / "out", "every", "--profile-windows", "4", "--quiet")
-    assert_train_error(
-        result,
+def test_more_windows_than_an_epoch_holds_is_one_line(shared_refusals):
+    refused, stderr = shared_refusals
+    assert_refused(
+        stderr["profile-windows"],
         "--profile-windows 4 needs 6 windows of 4 micro-batches in an epoch (one skipped, one of warm-up, 4 profiled); "
         "an epoch here has 20 micro-batches: pass --profile-windows 3 or less",
     )
-    assert not (tmp_path / "out").exists() and files.unfinished_runs(tmp_path / "out") == []
+    output = refused / "profile-windows"
+    assert not output.exists() and files.unfinished_runs(output) == []
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,8 @@ LAB_TEST_TEXT_LOSS: the text task's loss done wrong beneath the loop: "padding_i
 LAB_TEST_FSDP: FSDP2 beneath the lab's code: "uncorrected" makes set_force_sum_reduction_for_comms do nothing (FSDP
   hands gloo ReduceOp.AVG, which torch 2.8's gloo sums); "sync_ignored" makes set_requires_gradient_sync do nothing
   (every backward reduce-scatters, no_sync() or not).
+LAB_TEST_WATCH_HANDSHAKE_SECONDS (a number): the watcher waits that long, not 20 s, for ranks its launcher did not
+  start (the test of Lightning under plain python waits on it; the watcher's line names the bound it waited).
 """
 
 import json
@@ -331,6 +333,13 @@ def inject(variables):
             return decode_image_folders(*args, **kwargs)
 
         patch(data, "decode_image_folders", counted_decode)
+
+    if variables.get("LAB_TEST_WATCH_HANDSHAKE_SECONDS"):
+        from datetime import timedelta
+
+        from ddp_no_sync_lab.watch import observe
+
+        patch(observe, "HANDSHAKE_TIMEOUT", timedelta(seconds=int(variables["LAB_TEST_WATCH_HANDSHAKE_SECONDS"])))
 
     if variables.get("LAB_TEST_NODE_TORCH_VERSION"):
         node, version = variables["LAB_TEST_NODE_TORCH_VERSION"].split(":")

@@ -4,11 +4,17 @@ group: each run's options as train.py takes them, runs separated by "--", each r
 and stderr of each run (train.py prints its JSON lines and progress from rank 0) are kept in LOGS as
 <run number>.rank<rank>.stdout and .stderr, so that a test reads each run's output as it would read a process's.
 
-    torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- [LAB_TEST_X=V ...] TRAIN_OPTIONS -- ...
+    torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- [REFUSED] [LAB_TEST_X=V ...] TRAIN_OPTIONS -- ...
+
+Each run is parsed, agreed and started as train.main does it. A run marked REFUSED must end in a start-up
+refusal (a LabError every rank raises together, at the same check): it is printed as train.py prints it, by each
+node's first process, and the next run goes on in the same process group; such a run that trains says so in its
+log, where the test reading it finds no refusal. Any other run's error ends the start. The nodes of a two-node
+start may differ run by run (options, data, injections): their disagreements. That a refusal also ends train.py's
+job is train.main's, tested as a command (test_nodes.py, test_faults.py).
 
 One start costs a rank several seconds before its first micro-batch (torchrun, importing torch, the rendezvous);
-a test that needs several runs of the same code pays it once. train.py's command line itself (its parsing,
-start-up checks and teardown) is run as a command by the tests that test it.
+a test that needs several runs of the same code pays it once.
 """
 
 import contextlib
@@ -20,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 import train
+from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.run import launch
 
 REPO = Path(__file__).resolve().parents[2]
+REFUSED = "REFUSED"
 
 
 def split_runs(arguments):
@@ -54,17 +62,38 @@ def own_injections(injections):
             del torch.optim.AdamW.step
 
 
+def start(options, place):
+    """One run as train.main runs it, in a process group already made: parsed, agreed, trained."""
+    try:
+        args, usage_error = train.parse_args(options), None
+    except LabError as error:
+        args, usage_error = None, error
+    launch.agree(
+        place, lambda: launch.raise_if(usage_error) or launch.check_world_size(place, args.expected_world_size)
+    )
+    train.run(args, place)
+
+
 def main():
     logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
-    place = launch.init_process_group(launch.launch_environment(2))
+    place = launch.init_process_group(launch.launch_environment(None))
     for number, words in enumerate(runs):
+        refused = words[:1] == [REFUSED]
+        words = words[1:] if refused else words
         injections = dict(word.split("=", 1) for word in words if word.startswith("LAB_TEST_"))
-        args = train.parse_args([word for word in words if not word.startswith("LAB_TEST_")])
+        options = [word for word in words if not word.startswith("LAB_TEST_")]
         stem = logs / f"{number}.rank{place.rank}"
-        with own_injections(injections):
-            with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    train.run(args, place)
+        with own_injections(injections), open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    start(options, place)
+                    if refused:
+                        print(f"{train.SCRIPT}: trained: no refusal", file=sys.stderr)
+                except LabError as error:
+                    if not refused:
+                        raise
+                    if place.local_rank == 0:
+                        print(error.line(train.SCRIPT), file=sys.stderr)
     dist.destroy_process_group()
 
 
