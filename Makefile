@@ -33,10 +33,11 @@ endef
 
 # pip's progress shown, not silenced: the first install downloads torch's CUDA build, 6.6 GB installed. pip would
 # compile the installed modules' bytecode on one core; compileall does it on every core (26 s against 14 s on two
-# for the dev requirements), and a file it cannot compile is said and left to Python, as pip leaves it.
+# for the dev requirements), or on one where it cannot start its workers; a file it cannot compile is said and
+# left to Python, as pip leaves it.
 define install_requirements
 	$(PY) -m pip install --no-compile -r $(1)
-	-$(PY) -m compileall -q -j 0 `$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))"`
+	-$(PY) -m compileall -q -j 0 $(VENV)/lib || $(PY) -m compileall -q $(VENV)/lib
 endef
 
 $(VENV)/.requirements: requirements.txt pyproject.toml | $(PY)
@@ -130,4 +131,5 @@ compat-run:
 # Only the lab's own outputs, in the lab's own folder (as the document's clean-up does).
 clean:
 	cd "$(LAB_DIR)" && test -f train.py && test -f model.py && \
-	rm -rf artifacts data .venv .venv-torch-* ddp_no_sync_lab.egg-info __pycache__ tests/__pycache__ .pytest_cache
+	rm -rf artifacts data .venv .venv-torch-* ddp_no_sync_lab.egg-info __pycache__ .pytest_cache && \
+	find ddp_no_sync_lab tests tools benchmarks -name __pycache__ -prune -exec rm -rf {} +

@@ -440,12 +440,25 @@ def train_and_validate(options, place, setup, training, epoch, session, profiled
     )
 
 
+def parse_or_error(argv=None):
+    """The options, or the usage error that every node must learn of before it stops them all."""
+    try:
+        return parse_args(argv), None
+    except LabError as error:
+        return None, error
+
+
+def start(options, usage_error, place):
+    """The options parsed, and the world of the expected size, on every node; then the run."""
+    launch.agree(
+        place, lambda: launch.raise_if(usage_error) or launch.check_world_size(place, options.expected_world_size)
+    )
+    run(options, place)
+
+
 @record
 def main():
-    try:
-        options, usage_error = parse_args(), None
-    except LabError as error:
-        options, usage_error = None, error
+    options, usage_error = parse_or_error()
     try:
         place = launch.launch_environment(options.expected_world_size if options else None)
     except LabError as error:
@@ -453,12 +466,7 @@ def main():
     try:
         place = launch.init_process_group(place)
         try:
-            # The options parsed, and the world of the expected size, on every node.
-            launch.agree(
-                place,
-                lambda: launch.raise_if(usage_error) or launch.check_world_size(place, options.expected_world_size),
-            )
-            run(options, place)
+            start(options, usage_error, place)
         finally:
             with launch.bounded_teardown(place):
                 dist.destroy_process_group()

@@ -127,11 +127,11 @@ LONGEST_FIRST = (
     "test_resume.py",  # 132
     "test_packed.py",  # 119
     "test_watch.py",  # 115
-    "test_nodes.py",  # 107
+    "test_nodes.py",  # 70
     "test_checklist.py",  # 74
     "test_sharded.py",  # 55
     "test_bench_network.py",  # 50 (and its waits)
-    "test_watch_frameworks.py",  # 30 (and 20 s of a wait)
+    "test_watch_frameworks.py",  # 30 (and 5 s of a wait)
     "test_audit_holes.py",  # 46
     "test_ddp_settings.py",  # 45
     "test_equivalence.py",  # 43

@@ -166,8 +166,9 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 
 # Each way the nodes can disagree at start-up, as node 0's and node 1's runs of train.py (their options, data
 # folder and test-only injections), and the line both nodes must stop on. All in one two-node start
-# (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is tested as a command:
-# options that differ (below), a node running other code, a killed rank, CPUs that would choose another precision.
+# (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is tested as a
+# command: options that differ, an option one node cannot parse (train.main agrees on it after the process group
+# is made), a node running other code, a killed rank, CPUs that would choose another precision.
 CLOSED_PORT_URL = "LAB_TEST_CIFAR_URL=http://127.0.0.1:9/cifar-10-python.tar.gz"
 NODE_REFUSALS = {
     "data": (
@@ -189,12 +190,6 @@ NODE_REFUSALS = {
         ["LAB_TEST_FAKE_GPUS=1:1"],
         ["--device", "auto"],  # the last --device counts
         "[rank 1, node 1] its device differs from rank 0's: device cuda vs cpu; give every node one GPU per process",
-    ),
-    "parse": (
-        [],
-        ["--epochs", "0"],
-        [],
-        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
     ),
     "torch": (
         ["LAB_TEST_NODE_TORCH_VERSION=1:2.7.0"],
@@ -235,16 +230,21 @@ def node_refusals(tmp_path_factory, image_data):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("refusal", NODE_REFUSALS)
 def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(node_refusals, refusal):
-    """Data, a node without data that cannot download it, the world size, devices, an option one node cannot
-    parse, another torch: every rank raises at the same check, and each node says it in one line."""
+    """Data, a node without data that cannot download it, the world size, devices, another torch: every rank
+    raises at the same check, and each node says it in one line."""
     node0, stderr = node_refusals
     line = NODE_REFUSALS[refusal][3]
     for node, text in enumerate(stderr[refusal]):
-        assert [row for row in text.splitlines() if line in row] != [], f"node {node}:\n{text[-3000:]}"
+        assert len([row for row in text.splitlines() if line in row]) == 1, f"node {node}:\n{text[-3000:]}"
         assert "Traceback" not in text and "no refusal" not in text, text[-3000:]
         assert len([row for row in text.splitlines() if "error:" in row or "Error:" in row]) == 1, text[-3000:]
     if refusal == "data":  # its output was checked and claimed (its lock file), nothing was written
-        assert not (node0 / "artifacts" / "data").exists() and (node0 / "artifacts" / ".data.lock").exists()
+        claimed = [
+            path.name
+            for path in (node0 / "artifacts").iterdir()
+            if path.name.split(".")[:2] in (["data"], ["", "data"])
+        ]
+        assert claimed == [".data.lock"]
 
 
 @pytest.mark.torchrun
@@ -255,6 +255,18 @@ def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
     results, seconds = two_nodes([node0, node1], every, no_sync)
     assert_both_nodes_stop(
         results, seconds, "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every"
+    )
+
+
+@pytest.mark.torchrun
+def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
+    node0, node1 = node_folders(tmp_path, image_data)
+    good, _ = same_run("every")
+    results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
+    assert_both_nodes_stop(
+        results,
+        seconds,
+        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
     )
 
 

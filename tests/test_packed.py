@@ -18,9 +18,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 import train
 from conftest import (
+    REFUSED,
     WORKERS,
     assert_ok,
-    assert_train_error,
+    assert_refused,
     read_json,
     run_python,
     subprocess_env,
@@ -46,6 +47,9 @@ BFLOAT16_FIRST_STEP_TOLERANCES = (1e-3, 2**-8)
 
 TEXT_RUN = ["--task", "text", "--device", "cpu", "--quiet"]
 BROKEN_LOSSES = ("padding_in_mean", "one_token_too_many", "first_target_dropped")
+# Pythons whose corpus train.py refuses at start-up (runs of text_runs' start marked REFUSED): none, or another
+# on rank 1 (one document more).
+TEXT_REFUSALS = {"no corpus": "LAB_TEST_TEXT_NO_CORPUS=1", "other corpus": "LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK=1"}
 
 
 def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
@@ -68,7 +72,7 @@ def text_runs(tmp_path_factory):
     """Every text run the module reads, in one torchrun start: in documented/, both modes at the text task's
     documented configuration, per-token normalized, and the same pair at micro-batch normalization; in one-epoch/,
     a clean `every` run of one epoch, and (in broken/) the no_sync runs whose loss is broken beneath the loop
-    (tests/inject)."""
+    (tests/inject); then the runs TEXT_REFUSALS refuses at start-up (their stderr, by name)."""
     artifacts = tmp_path_factory.mktemp("text")
     documented = artifacts / "documented"
     runs = [
@@ -91,8 +95,12 @@ def text_runs(tmp_path_factory):
         + ["--output", one_epoch.parent / "broken" / broken / "no_sync"]
         for broken in BROKEN_LOSSES
     ]
-    train_in_one_start(artifacts / "logs", *runs, env=TEXT_ENV)
-    return documented, one_epoch
+    runs += [
+        [REFUSED, injection, *TEXT_RUN, "--mode", "every", "--output", artifacts / "refused" / name]
+        for name, injection in TEXT_REFUSALS.items()
+    ]
+    outputs = train_in_one_start(artifacts / "logs", *runs, env=TEXT_ENV)
+    return documented, one_epoch, {name: output.stderr for name, output in zip(TEXT_REFUSALS, outputs[-2:])}
 
 
 @pytest.fixture(scope="module")
@@ -269,12 +277,10 @@ def test_each_tasks_options_and_defaults(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_a_python_without_the_corpus_or_with_another_is_refused(tmp_path):
-    refused = text_train(tmp_path / "a", "every", env=subprocess_env(LAB_TEST_TEXT_NO_CORPUS="1"))
-    assert_train_error(refused, "the text task reads pydoc_data.topics, which this Python does not have")
-    other = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS), LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK="1")
-    refused = text_train(tmp_path / "b", "every", env=other)
-    line = assert_train_error(refused, "[rank 1, node 0] its data in Python's pydoc_data.topics differ")
+def test_a_python_without_the_corpus_or_with_another_is_refused(text_runs):
+    refused = text_runs[2]
+    assert_refused(refused["no corpus"], "the text task reads pydoc_data.topics, which this Python does not have")
+    line = assert_refused(refused["other corpus"], "[rank 1, node 0] its data in Python's pydoc_data.topics differ")
     assert "documents 80 vs 79" in line
 
 

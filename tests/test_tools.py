@@ -54,12 +54,12 @@ def test_synthetic_data_refuses_to_write_over_a_folder(tmp_path):
 def test_make_clean_removes_only_the_labs_outputs(tmp_path):
     lab_copy = tmp_path / "lab"
     shutil.copytree(REPO, lab_copy, ignore=shutil.ignore_patterns(".venv*", ".git", "artifacts", "data", "__pycache__"))
-    for made in ("artifacts/every", "data/train", ".venv/bin", "__pycache__"):
+    for made in ("artifacts/every", "data/train", ".venv/bin", "__pycache__", "ddp_no_sync_lab/run/__pycache__"):
         (lab_copy / made).mkdir(parents=True)
     (tmp_path / "artifacts").mkdir()  # someone else's folder beside the lab
     result = subprocess.run(["make", "-C", str(lab_copy), "clean"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    for made in ("artifacts", "data", ".venv", "__pycache__"):
+    for made in ("artifacts", "data", ".venv", "__pycache__", "ddp_no_sync_lab/run/__pycache__"):
         assert not (lab_copy / made).exists()
     assert (lab_copy / "train.py").is_file() and (lab_copy / "README.md").is_file()
     assert (tmp_path / "artifacts").is_dir()

@@ -8,10 +8,12 @@ cases run in one torchrun start (tests/workers/watch_cases.py)."""
 import json
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 
 from conftest import REPO, SMALL_RUN, WORKERS, subprocess_env, torchrun, verify
+from ddp_no_sync_lab.watch import observe
 from ddp_no_sync_lab.watch.report import GLOSSES
 from test_watch import last_line, marks
 
@@ -197,6 +199,7 @@ def test_lightning_started_by_plain_python_is_refused_in_one_line_naming_torchru
         "watcher: launch it with torchrun --nproc-per-node=2 -m ddp_no_sync_lab.watch SCRIPT (DistStoreError)"
     ]
     assert "AUDIT" not in result.stdout
+    assert observe.HANDSHAKE_TIMEOUT == timedelta(seconds=20)  # the bound a user's run waits, shortened here
 
 
 @pytest.mark.torchrun

@@ -119,6 +119,7 @@ def inject(variables):
     """Each injection that `variables` (os.environ, or one run's own LAB_TEST_* assignments) asks for."""
     if variables.get("LAB_TEST_TEXT_NO_CORPUS"):
         patch(sys.modules, "pydoc_data", None)  # import pydoc_data... raises ImportError
+        patch(sys.modules, "pydoc_data.topics", None)  # where a run before this one in the process imported it
 
     if variables.get("LAB_TEST_TEXT_CHARACTERS") or variables.get("LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK"):
         import pydoc_data.topics

@@ -122,8 +122,11 @@ def main():
                 buffers_equal_after_evaluation = buffers_equal_rank_0s(ddp_model.module)
             after = comm_audit.totals()
             # The raw events' names: profiler.events() would build an event tree of every op (about 28,000 an
-            # epoch here, the witnesses' included), two thirds of this worker's time, for two counts.
-            events = Counter(event.name() for event in profiler.profiler.kineto_results.events())
+            # epoch here, the witnesses' included), two thirds of this worker's time, for two counts. A torch
+            # without them (a private attribute) gets the tree.
+            raw = getattr(profiler.profiler, "kineto_results", None)
+            names = [event.name() for event in raw.events()] if raw else [event.name for event in profiler.events()]
+            events = Counter(names)
             rows.append(
                 {
                     "setting": setting,

@@ -6,7 +6,7 @@ and stderr of each run (train.py prints its JSON lines and progress from rank 0)
 
     torchrun --nproc-per-node=2 tests/workers/runs.py LOGS -- [REFUSED] [LAB_TEST_X=V ...] TRAIN_OPTIONS -- ...
 
-Each run is parsed, agreed and started as train.main does it. A run marked REFUSED must end in a start-up
+Each run is parsed, agreed and started by train.main's own steps (train.parse_or_error, train.start). A run marked REFUSED must end in a start-up
 refusal (a LabError every rank raises together, at the same check): it is printed as train.py prints it, by each
 node's first process, and the next run goes on in the same process group; such a run that trains says so in its
 log, where the test reading it finds no refusal. Any other run's error ends the start. The nodes of a two-node
@@ -62,18 +62,6 @@ def own_injections(injections):
             del torch.optim.AdamW.step
 
 
-def start(options, place):
-    """One run as train.main runs it, in a process group already made: parsed, agreed, trained."""
-    try:
-        args, usage_error = train.parse_args(options), None
-    except LabError as error:
-        args, usage_error = None, error
-    launch.agree(
-        place, lambda: launch.raise_if(usage_error) or launch.check_world_size(place, args.expected_world_size)
-    )
-    train.run(args, place)
-
-
 def main():
     logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
     place = launch.init_process_group(launch.launch_environment(None))
@@ -86,11 +74,11 @@ def main():
         with own_injections(injections), open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
-                    start(options, place)
+                    train.start(*train.parse_or_error(options), place)
                     if refused:
                         print(f"{train.SCRIPT}: trained: no refusal", file=sys.stderr)
                 except LabError as error:
-                    if not refused:
+                    if not refused or error.broken_process:  # a process that cannot go on ends the start
                         raise
                     if place.local_rank == 0:
                         print(error.line(train.SCRIPT), file=sys.stderr)
