@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import (
+    CLOSED_PORT_URL,
     MODES,
     PROFILED,
     REFUSED,
@@ -169,7 +170,6 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 # (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is tested as a
 # command: options that differ, an option one node cannot parse (train.main agrees on it after the process group
 # is made), a node running other code, a killed rank, CPUs that would choose another precision.
-CLOSED_PORT_URL = "LAB_TEST_CIFAR_URL=http://127.0.0.1:9/cifar-10-python.tar.gz"
 NODE_REFUSALS = {
     "data": (
         [],

@@ -286,10 +286,11 @@ def start_up(options: TrainOptions, place: Place) -> Setup:
             )
     # The code first: a task of your own decides some defaults (its documented options) in its own file.
     task = find_task(options.task)
-    code = code_and_versions(task_file(task))
+    own_task_file = task_file(task)
+    code = code_and_versions(own_task_file)
     remedy = "run one checkout of the lab with the same Python, torch, torchvision, CUDA and NCCL on every node"
-    if task_file(task):
-        remedy += f", and the same {task_file(task).name}"
+    if own_task_file:
+        remedy += f", and the same {own_task_file.name}"
     require_same(place, code, "its code or versions differ", remedy)
     require_same(
         place,

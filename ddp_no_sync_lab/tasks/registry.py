@@ -5,7 +5,7 @@ loss, how a window's micro-batches divide the loss, what its runs add to their c
 evaluated, and its results. train.py and run/launch.py reach a task only through these; verify.py's checks of a
 task's results are checks/task_results.py's. docs/architecture.md says how to add one: in the package, or in a
 module of its own, named MODULE:CLASS (`train.py --task my_task:MyTask`, its folder on PYTHONPATH), which also
-names verify's checks of its results (its `results`, a checks/task_results.py TaskResults).
+names verify's checks of its results (its `results`, a TaskResults below).
 """
 
 import argparse
@@ -115,12 +115,8 @@ class TaskResults(Protocol):
 def members(protocol: type) -> list[str]:
     """What a protocol's objects have: its annotated attributes and its methods (a structural Protocol checks
     none by itself)."""
-    methods = [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name[0] == "_"]
+    methods = [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
     return [*protocol.__annotations__, *methods]
-
-
-def task_members() -> list[str]:
-    return members(Task)
 
 
 # train.py's options that a task's `documented` gives (experiment.in_range), with what each must be.
@@ -141,7 +137,7 @@ def find_task(name: str) -> Task:
     if not module_name or not class_name.isidentifier():
         raise LabError(f"task {name!r} is neither the lab's ({', '.join(TASKS)}) nor MODULE:CLASS, a task of your own")
     task = made(name, module_name, class_name)
-    missing = [member for member in task_members() if not hasattr(task, member)]
+    missing = [member for member in members(Task) if not hasattr(task, member)]
     results = getattr(task, "results", None)
     if results is None:
         missing.append("results")
