@@ -3,6 +3,7 @@ through the public protocol: train.py trains its pair by `--task vector_task:Vec
 PYTHONPATH (in the session's shared start), and verify.py audits it against its own configuration, every
 checklist item observed, finding the task by the name the runs recorded."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from conftest import TASKS_DIR, assert_one_line_error, read_json, run_in_process, run_python, subprocess_env, verify
+from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.cli import LabError
 from ddp_no_sync_lab.run import launch
 from ddp_no_sync_lab.tasks import registry
@@ -208,3 +210,22 @@ def test_the_nodes_code_covers_a_task_of_your_own_byte_for_byte(task_on_path, tm
     copy.write_text(copy.read_text() + "\n# another copy\n")
     changed = launch.code_and_versions(copy)
     assert changed["task code sha256"] != ours["task code sha256"] and changed["code sha256"] == ours["code sha256"]
+
+
+def test_a_task_whose_window_plan_is_not_the_labs_is_refused_at_start_up(task_on_path):
+    """verify.py holds a task of your own to experiment.epoch_plan: train.py refuses another plan before training
+    (a loader giving one batch more, or divisors of the task's own), and lets the lab's through."""
+    config = {"train_size": 160, "world_size": 2, "batch_size": 4, "accum_steps": 4, "partial_window": "error"}
+    config["task"] = NAME
+    labs = experiment.epoch_plan(config)  # 20 micro-batches in 5 windows of 4
+    task = registry.find_task(NAME)
+    registry.check_window_plan(task, labs, config)
+    halved = [dataclasses.replace(step, loss_divisor=step.loss_divisor * 2) for step in labs]
+    longer = experiment.window_plan(24, 4, "error")
+    for plan, length in ((halved, 20), (longer, 24)):
+        with pytest.raises(LabError) as refused:
+            registry.check_window_plan(task, plan, config)
+        assert str(refused.value).startswith(
+            f"task {NAME}: its window plan ({length} micro-batches) is not the lab's (20, experiment.epoch_plan)"
+        )
+    registry.check_window_plan(registry.TASKS["text"], longer, config)  # the lab's tasks keep their own plans
