@@ -9,7 +9,9 @@ without 3 s of starting an interpreter and importing torch each time); a few tes
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -100,6 +102,27 @@ def run_in_process(script, *args):
     finally:
         sys.argv = saved_argv
     return subprocess.CompletedProcess(sys.argv, code, stdout.getvalue(), stderr.getvalue())
+
+
+@functools.cache
+def injections():
+    """tests/inject/sitecustomize.py as a module of this process (it injects nothing unless asked)."""
+    spec = importlib.util.spec_from_file_location("lab_test_injections", INJECT / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def injected(**variables):
+    """The injections that LAB_TEST_* `variables` ask for, in this process for the block (as a run's own in
+    tests/workers/runs.py), put back after it."""
+    kept = len(injections().PATCHED)
+    injections().inject(variables)
+    try:
+        yield
+    finally:
+        injections().undo(kept)
 
 
 def verify(artifacts, *args):
@@ -369,15 +392,24 @@ SHARED_REFUSALS = {
 }
 
 
+# Three of DDP's levers at once, in a pair of the shared start (test_ddp_settings.py).
+DDP_LEVERS = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-buffers"]
+
+
 def shared_runs(folder, image_data):
     """The session's shared start: both modes of the shared experiment, profiled (PROFILED), every with progress
-    lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py); then the
-    refusals of SHARED_REFUSALS, each into its own output folder."""
+    lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py); both modes of the
+    shared experiment with DDP_LEVERS; then the refusals of SHARED_REFUSALS, each into its own output folder."""
     artifacts, common = folder / "artifacts", ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
     return [
         ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
         ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
         *(["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES),
+        *(
+            ["--mode", mode, "--output", folder / "levers" / mode, "--data-dir", image_data, *SMALL_RUN]
+            + [*DDP_LEVERS, "--quiet"]
+            for mode in MODES
+        ),
         *(
             [REFUSED, *injections, "--mode", "every", "--output", folder / "refused" / name]
             + ["--data-dir", image_data, *SMALL_RUN, *options(folder)]
@@ -421,7 +453,14 @@ def vector_runs(tmp_path_factory, image_data):
 def shared_refusals(tmp_path_factory, image_data):
     """SHARED_REFUSALS' runs in the session's shared start: their output folders' parent, and each one's stderr."""
     folder, outputs = shared_start(tmp_path_factory, image_data)
-    return folder / "refused", {name: output.stderr for name, output in zip(SHARED_REFUSALS, outputs[4:])}
+    return folder / "refused", {name: output.stderr for name, output in zip(SHARED_REFUSALS, outputs[6:])}
+
+
+@pytest.fixture(scope="session")
+def levers_runs(tmp_path_factory, image_data):
+    """Both modes of the shared experiment with DDP_LEVERS, trained in the session's shared start."""
+    folder, _ = shared_start(tmp_path_factory, image_data)
+    return folder / "levers"
 
 
 def assert_refused(stderr, *fragments):

@@ -15,7 +15,6 @@ from conftest import (
     read_json,
     run_python,
     train,
-    train_pair,
     verify,
 )
 from ddp_no_sync_lab import experiment, files
@@ -126,13 +125,10 @@ def test_static_graph_inside_no_sync_is_refused_with_one_line(matrix):
     assert f"on torch {torch.__version__} (pytorch/pytorch#143580)" in line and line in stdout
 
 
-@pytest.mark.torchrun
-def test_train_py_records_its_levers_and_verify_audits_them(image_data, tmp_path):
-    """Both modes with three levers at once, audited against their own configuration; a pair whose hooks differ
-    and the strict audit both name the lever."""
-    artifacts = tmp_path / "artifacts"
-    levers = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-buffers"]
-    train_pair(image_data, artifacts, *levers, "--quiet")
+def test_train_py_records_its_levers_and_verify_audits_them(levers_runs, tmp_path):
+    """Both modes with three levers at once (conftest.DDP_LEVERS), audited against their own configuration; a pair
+    whose hooks differ and the strict audit both name the lever."""
+    artifacts = levers_runs
     config = read_json(artifacts / "every" / files.RUN_RECORD_FILE)["config"]
     assert {name: config[name] for name in experiment.DDP_DEFAULTS} == {
         **experiment.DDP_DEFAULTS,

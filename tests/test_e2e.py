@@ -88,8 +88,8 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
 
 @pytest.fixture(scope="module")
 def own_runs(image_data, tmp_path_factory):
-    """In one torchrun start: both modes in micro-batches of 20 (one window per epoch), and `every` on the
-    shared data's twin with its training labels shuffled."""
+    """In one torchrun start: both modes in micro-batches of 20 (one window per epoch), `every` on the shared
+    data's twin with its training labels shuffled, and no_sync as the shared start ran it, unprofiled."""
     folder = tmp_path_factory.mktemp("own-runs")
     shuffled = folder / "shuffled-data"
     synthetic_data.write_dataset(shuffled, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
@@ -100,7 +100,8 @@ def own_runs(image_data, tmp_path_factory):
     options = ["--data-dir", image_data, *SMALL_RUN, "--batch-size", "20", "--quiet"]
     one_window = [["--mode", mode, "--output", folder / "one-window" / mode, *options] for mode in MODES]
     shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
-    train_in_one_start(folder / "logs", *one_window, shuffled_run)
+    rerun = ["--mode", "no_sync", "--output", folder / "rerun" / "no_sync", "--data-dir", image_data, *SMALL_RUN]
+    train_in_one_start(folder / "logs", *one_window, shuffled_run, [*rerun, "--quiet"])
     return folder
 
 
@@ -227,13 +228,17 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("mode", ["every", "no_sync"])
-def test_a_second_run_with_the_same_seed_is_identical(lab_runs, image_data, tmp_path, mode):
+def test_a_second_run_with_the_same_seed_is_identical(lab_runs, own_runs, image_data, tmp_path, mode):
     """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix.
     The first run was profiled and the rerun is not: profiling changes nothing, and without the option nothing
-    is profiled."""
+    is profiled. every reruns as train.py's own command, no_sync after other runs in the module's start."""
     artifacts, _ = lab_runs
-    assert_ok(train(image_data, tmp_path / mode, mode, "--quiet"))
-    folders = (artifacts / mode, tmp_path / mode)
+    if mode == "every":
+        rerun = tmp_path / mode
+        assert_ok(train(image_data, rerun, mode, "--quiet"))
+    else:
+        rerun = own_runs / "rerun" / mode
+    folders = (artifacts / mode, rerun)
     assert (folders[0] / files.PROFILE_FILE).is_file()
     assert not [path.name for path in folders[1].iterdir() if path.name.startswith("profile")]
     first, second = (read_json(folder / "history.json") for folder in folders)

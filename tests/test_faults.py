@@ -60,7 +60,7 @@ def test_bad_numbers_and_choices_get_one_line(tmp_path, option, value, message):
 
 def test_an_output_that_is_a_file_unwritable_or_foreign_is_refused(tmp_path):
     """launch.check_output, which rank 0 runs before any training (the one-line plumbing of a rank-0 refusal
-    under torchrun: test_a_second_run_into_an_output_in_use...)."""
+    under torchrun: test_an_output_in_use_stops_a_second_run...)."""
     (tmp_path / "file").write_text("a file")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "thesis.tex").write_text("keep me")
@@ -165,37 +165,17 @@ def stop_run(launcher):
 
 
 @pytest.mark.torchrun
-def test_a_killed_rank_ends_the_job_quickly_and_keeps_the_previous_run(lab_runs, image_data, tmp_path):
+def test_an_output_in_use_stops_a_second_run_and_a_killed_rank_ends_the_first_keeping_the_previous_run(
+    lab_runs, image_data, tmp_path
+):
+    """A long run into an output that holds a complete run. A second run into it stops at once naming it and leaves
+    the first alone (before, the second removed every partial folder beside the output, the first run's included,
+    and the first died mid-training; now the first holds the output's lock). Then one of the first run's ranks is
+    killed: its job ends quickly, and the output still holds the previous complete run."""
     artifacts, _ = lab_runs
     output = tmp_path / "every"
     shutil.copytree(artifacts / "every", output)
     previous_run = read_json(output / files.RUN_RECORD_FILE)["run_id"]
-    launcher = start_long_run(output, image_data)
-    try:
-        os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, rest = launcher.communicate(timeout=120)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        stop_run(launcher)
-    assert launcher.returncode != 0
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
-    assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
-    # The output still holds the previous complete run; the interrupted one is only a partial folder.
-    assert read_json(output / files.RUN_RECORD_FILE)["run_id"] == previous_run
-    assert len(files.unfinished_runs(output)) == 1
-    shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
-    audit = verify(tmp_path)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert f"every: run {previous_run}" in audit.stdout
-    assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout
-
-
-@pytest.mark.torchrun
-def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_alone(image_data, tmp_path):
-    """Before, the second run removed every partial folder beside the output, the first run's included, and
-    the first died mid-training. Now the first holds the output's lock; the second stops naming it."""
-    output = tmp_path / "every"
     first = start_long_run(output, image_data)
     try:
         started = time.monotonic()
@@ -209,8 +189,23 @@ def test_a_second_run_into_an_output_in_use_stops_at_once_and_leaves_the_first_a
         )
         assert first.poll() is None, "the first run died"
         assert len(files.unfinished_runs(output)) == 1  # the first run's partial folder, untouched
+        os.kill(rank_pid(first.pid, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, rest = first.communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
     finally:
         stop_run(first)
+    assert first.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after a rank died"
+    assert "rank      : 1 (local_rank: 1)" in rest and "Signal 9 (SIGKILL)" in rest, rest
+    # The output still holds the previous complete run; the interrupted one is only a partial folder.
+    assert read_json(output / files.RUN_RECORD_FILE)["run_id"] == previous_run
+    assert len(files.unfinished_runs(output)) == 1
+    shutil.copytree(artifacts / "no_sync", tmp_path / "no_sync")
+    audit = verify(tmp_path)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert f"every: run {previous_run}" in audit.stdout
+    assert "note: an unfinished run" in audit.stdout and f"{output} holds run {previous_run}" in audit.stdout
 
 
 @pytest.mark.torchrun

@@ -104,13 +104,37 @@ def same_run(mode, extra=()):
 
 
 @pytest.fixture(scope="module")
-def two_node_runs(tmp_path_factory, image_data):
-    """Both modes on two nodes in one start, profiled as the one-node runs; each node's stderr of each mode."""
+def node_start(tmp_path_factory, image_data):
+    """One two-node start: both modes, profiled as the one-node runs, then NODE_REFUSALS' runs, one after the
+    other. Each node's folder and its stderr of each run: [node][run]."""
     root = tmp_path_factory.mktemp("nodes")
-    folders = node_folders(root, image_data)
-    runs = [same_run(mode, PROFILED)[0] for mode in MODES]
-    node_stderr = two_nodes_in_one_start(folders, root / "logs", *runs)
-    return folders, [dict(zip(MODES, stderr)) for stderr in node_stderr]
+    node0, node1 = node_folders(root, image_data)
+    for folder in (node0, node1):
+        shutil.copytree(image_data, folder / "differing")
+    cat = sorted((node1 / "differing" / "train" / "cat").iterdir())[0]
+    shutil.copy(sorted((node1 / "differing" / "train" / "dog").iterdir())[0], cat)
+    shutil.copytree(image_data, node0 / "absent")
+    pair = [same_run(mode, PROFILED)[0] for mode in MODES]
+    runs = [list(pair), list(pair)]
+    for name, (node0_words, node1_words, both, _) in NODE_REFUSALS.items():
+        args, _ = same_run("every", both)
+        args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
+        runs[0].append([REFUSED, *args, *node0_words])  # a node's own words last: the last of an option counts
+        runs[1].append([REFUSED, *args, *node1_words])
+    logs = root / "logs"
+    node_args = [runs_worker_arguments(logs, node_runs) for node_runs in runs]
+    results, _ = finish(start_nodes([node0, node1], *node_args, script=RUNS_WORKER))
+    for result in results:
+        assert_ok(result)
+    stderr = [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(len(runs[0]))] for node in (0, 1)]
+    return [node0, node1], stderr
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(node_start):
+    """Both modes on two nodes, from the module's two-node start; each node's stderr of each mode."""
+    folders, stderr = node_start
+    return folders, [dict(zip(MODES, node_stderr)) for node_stderr in stderr]
 
 
 @pytest.mark.torchrun
@@ -132,8 +156,9 @@ def test_two_nodes_compute_exactly_what_one_node_computes(two_node_runs, lab_run
             for folder in (artifacts, node0 / "artifacts")
         ]
         assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
-    # Only rank 0 writes: node 1's working folder holds nothing but its data, and node 1 says where they are.
-    assert sorted(path.name for path in node1.iterdir()) == ["data"]
+    # Only rank 0 writes: node 1's working folder holds nothing but its data folders (the refusals' too), and node 1
+    # says where they are.
+    assert not [path.name for path in node1.iterdir() if path.name not in ("data", "differing", "absent")]
     for node, stderr in enumerate(node_stderr):
         assert (
             f"node {node} of 2; rank 0 writes the artifacts on {socket.gethostname()} into {node0}/artifacts/every"
@@ -166,10 +191,9 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 
 
 # Each way the nodes can disagree at start-up, as node 0's and node 1's runs of train.py (their options, data
-# folder and test-only injections), and the line both nodes must stop on. All in one two-node start
-# (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is tested as a
-# command: options that differ, an option one node cannot parse (train.main agrees on it after the process group
-# is made), a node running other code, a killed rank, CPUs that would choose another precision.
+# folder and test-only injections), and the line both nodes must stop on. All in the module's two-node start, after
+# its pair (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is
+# tested as a command: a node running other code, a killed rank, CPUs that would choose another precision.
 NODE_REFUSALS = {
     "data": (
         [],
@@ -197,40 +221,36 @@ NODE_REFUSALS = {
         [],
         f"[rank 1, node 1] its code or versions differ from rank 0's: torch 2.7.0 vs {torch.__version__}",
     ),
+    "options": (
+        [],
+        ["--mode", "no_sync"],
+        [],
+        "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every",
+    ),
+    # train.main agrees on a usage error after the process group is made: one node's parse stops both
+    "parse": (
+        [],
+        ["--epochs", "0"],
+        [],
+        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
+    ),
 }
 
 
 @pytest.fixture(scope="module")
-def node_refusals(tmp_path_factory, image_data):
-    """NODE_REFUSALS' runs, one after the other in one two-node start; each node's stderr of each, by name."""
-    root = tmp_path_factory.mktemp("refusals")
-    node0, node1 = node_folders(root, image_data)
-    for folder in (node0, node1):
-        shutil.copytree(image_data, folder / "differing")
-    cat = sorted((node1 / "differing" / "train" / "cat").iterdir())[0]
-    shutil.copy(sorted((node1 / "differing" / "train" / "dog").iterdir())[0], cat)
-    shutil.copytree(image_data, node0 / "absent")
-    runs = [[], []]
-    for name, (node0_words, node1_words, both, _) in NODE_REFUSALS.items():
-        args, _ = same_run("every", both)
-        args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
-        runs[0].append([REFUSED, *node0_words, *args])
-        runs[1].append([REFUSED, *node1_words, *args])
-    logs = root / "logs"
-    node_args = [runs_worker_arguments(logs, node_runs) for node_runs in runs]
-    results, _ = finish(start_nodes([node0, node1], *node_args, script=RUNS_WORKER))
-    for result in results:
-        assert_ok(result)
+def node_refusals(node_start):
+    """NODE_REFUSALS' runs, from the module's two-node start: node 0's folder, and each node's stderr of each."""
+    (node0, _), stderr = node_start
     return node0, {
-        name: [(logs / f"{number}.rank{node}.stderr").read_text() for node in (0, 1)]
-        for number, name in enumerate(NODE_REFUSALS)
+        name: [stderr[node][len(MODES) + number] for node in (0, 1)] for number, name in enumerate(NODE_REFUSALS)
     }
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("refusal", NODE_REFUSALS)
 def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(node_refusals, refusal):
-    """Data, a node without data that cannot download it, the world size, devices, another torch: every rank
+    """Data, a node without data that cannot download it, the world size, devices, another torch, options that
+    differ, an option one node cannot parse (train.main agrees on it after the process group is made): every rank
     raises at the same check, and each node says it in one line."""
     node0, stderr = node_refusals
     line = NODE_REFUSALS[refusal][3]
@@ -245,29 +265,6 @@ def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(n
             if path.name.split(".")[:2] in (["data"], ["", "data"])
         ]
         assert claimed == [".data.lock"]
-
-
-@pytest.mark.torchrun
-def test_nodes_started_with_different_options_both_stop(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    every, _ = same_run("every")
-    no_sync, _ = same_run("no_sync")
-    results, seconds = two_nodes([node0, node1], every, no_sync)
-    assert_both_nodes_stop(
-        results, seconds, "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every"
-    )
-
-
-@pytest.mark.torchrun
-def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
-    node0, node1 = node_folders(tmp_path, image_data)
-    good, _ = same_run("every")
-    results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
-    assert_both_nodes_stop(
-        results,
-        seconds,
-        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
-    )
 
 
 @pytest.mark.torchrun

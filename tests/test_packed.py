@@ -22,8 +22,9 @@ from conftest import (
     WORKERS,
     assert_ok,
     assert_refused,
+    injected,
     read_json,
-    run_python,
+    run_in_process,
     subprocess_env,
     torchrun,
     train_in_one_start,
@@ -56,8 +57,10 @@ def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
     return torchrun("train.py", *TEXT_RUN, "--mode", mode, "--output", output, *extra, env=env, launcher=launcher)
 
 
-def text_verify(artifacts, *extra, env=TEXT_ENV):
-    return run_python("verify.py", "--artifacts", artifacts, *extra, env=env)
+def text_verify(artifacts, *extra):
+    """verify.py in this process, on text runs: the corpus cut as the runs saw it."""
+    with injected(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS)):
+        return run_in_process("verify.py", "--artifacts", artifacts, *extra)
 
 
 def small_corpus():

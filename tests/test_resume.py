@@ -13,14 +13,16 @@ import torch
 
 from conftest import (
     MODES,
+    REFUSED,
     SMALL_RUN,
     TIMING,
     assert_ok,
-    assert_train_error,
+    assert_refused,
     read_json,
     start_train,
     subprocess_env,
     train,
+    train_in_one_start,
     verify,
 )
 from ddp_no_sync_lab import files
@@ -136,31 +138,43 @@ def test_resume_finishes_the_preempted_run_bit_for_bit(preempted, uninterrupted,
     assert verify(copy.parent).returncode == 0
 
 
-def preempted_copy(preempted, tmp_path):
+@pytest.fixture(scope="module")
+def preempted_copies(preempted, image_data, tmp_path_factory):
+    """Three copies of the preempted run's output, started again in one torchrun start: two whose newest saved state
+    is damaged (cut short; its last byte altered), each refused with --resume; one started without --resume. Each
+    copy's output, its unfinished run's folder, and its run's output, by name."""
     output, _, _, _ = preempted
-    shutil.copytree(output.parent, tmp_path / "artifacts")
-    (partial,) = files.unfinished_runs(tmp_path / "artifacts" / "no_sync")
-    return tmp_path / "artifacts" / "no_sync", partial
+    root = tmp_path_factory.mktemp("preempted-copies")
+    copies = {}
+    for name in ("truncated", "altered", "restarted"):
+        shutil.copytree(output.parent, root / name)
+        (partial,) = files.unfinished_runs(root / name / "no_sync")
+        copies[name] = (root / name / "no_sync", partial)
+    for damage in ("truncated", "altered"):
+        state, _ = newest_save(copies[damage][1])
+        content = state.read_bytes()
+        state.write_bytes(
+            content[: len(content) // 2] if damage == "truncated" else content[:-1] + bytes([content[-1] ^ 1])
+        )
+    common = ["--mode", "no_sync", "--data-dir", image_data, *SMALL_RUN, "--quiet"]
+    runs = [[REFUSED, *common, "--output", copies[damage][0], "--resume"] for damage in ("truncated", "altered")]
+    runs.append([*common, "--output", copies["restarted"][0], "--epochs", "1"])
+    outputs = train_in_one_start(root / "logs", *runs)
+    return {name: (*copies[name], result) for name, result in zip(copies, outputs)}
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("damage", ["truncated", "altered"])
-def test_a_saved_state_cut_short_or_altered_is_refused(preempted, image_data, tmp_path, damage):
-    output, partial = preempted_copy(preempted, tmp_path)
+def test_a_saved_state_cut_short_or_altered_is_refused(preempted_copies, damage):
+    _, partial, result = preempted_copies[damage]
     state, record = newest_save(partial)
-    content = state.read_bytes()
-    state.write_bytes(
-        content[: len(content) // 2] if damage == "truncated" else content[:-1] + bytes([content[-1] ^ 1])
-    )
-    result = train(image_data, output, "no_sync", "--resume", "--quiet")
-    assert_train_error(result, f"{state} is not the state {record} recorded", "cut short or altered")
+    assert_refused(result.stderr, f"{state} is not the state {record} recorded", "cut short or altered")
     assert state.is_file()  # refused, nothing removed
 
 
 @pytest.mark.torchrun
-def test_a_first_start_without_resume_replaces_the_unfinished_run(preempted, image_data, tmp_path):
-    output, partial = preempted_copy(preempted, tmp_path)
-    assert_ok(train(image_data, output, "no_sync", "--epochs", "1", "--quiet"))
+def test_a_first_start_without_resume_replaces_the_unfinished_run(preempted_copies):
+    output, partial, _ = preempted_copies["restarted"]
     assert not partial.exists() and read_json(output / "history.json")[0]["resumed_at"] == []
 
 
@@ -284,14 +298,16 @@ def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into
     (partial,) = files.unfinished_runs(output)
     _, record = newest_save(partial)
     assert (read_json(record)["epoch"], read_json(record)["micro_batch"]) == (2, 0)
-    refused = train(image_data, output, "every", "--bucket-cap-mb", "1", "--resume", "--quiet")
-    assert_train_error(
-        refused,
+    (partial / ".history.json.tmp-host-1-0a0b0c0d").write_bytes(b"half a writ")  # a write killed before its rename
+    common = ["--output", output, "--data-dir", image_data, *SMALL_RUN, "--resume", "--quiet"]
+    refused, _ = train_in_one_start(
+        tmp_path / "logs", [REFUSED, "--mode", "every", *common, "--bucket-cap-mb", "1"], ["--mode", "no_sync", *common]
+    )
+    assert_refused(
+        refused.stderr,
         f"--resume: the unfinished run in {partial} was started with another configuration (bucket_cap_mb 25.0 vs "
         "1.0; mode 'no_sync' vs 'every')",
     )
-    (partial / ".history.json.tmp-host-1-0a0b0c0d").write_bytes(b"half a writ")  # a write killed before its rename
-    assert_ok(train(image_data, output, "no_sync", "--resume", "--quiet"))
     assert all(files.is_artifact(path.name) for path in output.iterdir())
     history = same_run(uninterrupted / "no_sync", output)
     assert [row["resumed_at"] for row in history] == [[], [0]]
