@@ -397,63 +397,68 @@ DDP_LEVERS = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-b
 
 
 def shared_runs(folder, image_data):
-    """The session's shared start: both modes of the shared experiment, profiled (PROFILED), every with progress
-    lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py); both modes of the
-    shared experiment with DDP_LEVERS; then the refusals of SHARED_REFUSALS, each into its own output folder."""
+    """The session's shared start, its runs by group: both modes of the shared experiment, profiled (PROFILED),
+    every with progress lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py);
+    both modes of the shared experiment with DDP_LEVERS; its no_sync with the PIL loader; then the refusals of
+    SHARED_REFUSALS, each into its own output folder."""
     artifacts, common = folder / "artifacts", ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
-    return [
-        ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
-        ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
-        *(["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES),
-        *(
-            ["--mode", mode, "--output", folder / "levers" / mode, "--data-dir", image_data, *SMALL_RUN]
-            + [*DDP_LEVERS, "--quiet"]
-            for mode in MODES
-        ),
-        *(
+    plain = ["--data-dir", image_data, *SMALL_RUN, "--quiet"]
+    return {
+        "lab": [
+            ["--mode", "every", "--output", artifacts / "every", *common, "--progress-every", "0"],
+            ["--mode", "no_sync", "--output", artifacts / "no_sync", *common, "--quiet"],
+        ],
+        "vectors": [["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES],
+        "levers": [["--mode", mode, "--output", folder / "levers" / mode, *plain, *DDP_LEVERS] for mode in MODES],
+        "pil": [["--mode", "no_sync", "--output", folder / "pil" / "no_sync", *plain, "--loader", "pil"]],
+        "refused": [
             [REFUSED, *injections, "--mode", "every", "--output", folder / "refused" / name]
             + ["--data-dir", image_data, *SMALL_RUN, *options(folder)]
             for name, (injections, options) in SHARED_REFUSALS.items()
-        ),
-    ]
+        ],
+    }
 
 
 def shared_start(tmp_path_factory, image_data):
-    """The session's shared start's folder and its runs, made once, whichever pytest-xdist worker asks first."""
+    """The session's shared start's folder and its runs' outputs by group (shared_runs), made once, whichever
+    pytest-xdist worker asks first."""
 
     def train_all(folder):
         RUNNING["shared pair"] = True
         try:
             env = subprocess_env()
             env["PYTHONPATH"] += f"{os.pathsep}{TASKS_DIR}"
-            train_in_one_start(folder / "logs", *shared_runs(folder, image_data), env=env)
+            runs = [run for group in shared_runs(folder, image_data).values() for run in group]
+            train_in_one_start(folder / "logs", *runs, env=env)
         finally:
             RUNNING["shared pair"] = False
 
     folder = made_once(tmp_path_factory, "shared-pair", train_all)
-    return folder, runs_outputs(folder / "logs", shared_runs(folder, image_data))
+    groups = shared_runs(folder, image_data)
+    outputs = iter(runs_outputs(folder / "logs", [run for group in groups.values() for run in group]))
+    return folder, {name: [next(outputs) for _ in group] for name, group in groups.items()}
 
 
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory, image_data):
     """Both modes of the shared experiment, trained once for the session in its shared start. The reruns in
-    test_e2e.py, each train.py's own command, unprofiled, must match them bit for bit."""
+    test_e2e.py, unprofiled, must match them bit for bit."""
     folder, outputs = shared_start(tmp_path_factory, image_data)
-    return folder / "artifacts", dict(zip(MODES, outputs[:2]))
+    return folder / "artifacts", dict(zip(MODES, outputs["lab"]))
 
 
 @pytest.fixture(scope="session")
 def vector_runs(tmp_path_factory, image_data):
     """Both modes of the vector task, a task of the user's own, trained in the session's shared start."""
     folder, outputs = shared_start(tmp_path_factory, image_data)
-    return folder / "vectors", dict(zip(MODES, outputs[2:4]))
+    return folder / "vectors", dict(zip(MODES, outputs["vectors"]))
 
 
 @pytest.fixture(scope="session")
 def shared_refusals(tmp_path_factory, image_data):
     """SHARED_REFUSALS' runs in the session's shared start: their output folders' parent, and each one's stderr."""
     folder, outputs = shared_start(tmp_path_factory, image_data)
-    return folder / "refused", {name: output.stderr for name, output in zip(SHARED_REFUSALS, outputs[6:])}
+    return folder / "refused", {name: output.stderr for name, output in zip(SHARED_REFUSALS, outputs["refused"])}
 
 
 @pytest.fixture(scope="session")
@@ -461,6 +466,14 @@ def levers_runs(tmp_path_factory, image_data):
     """Both modes of the shared experiment with DDP_LEVERS, trained in the session's shared start."""
     folder, _ = shared_start(tmp_path_factory, image_data)
     return folder / "levers"
+
+
+@pytest.fixture(scope="session")
+def pil_run(tmp_path_factory, image_data):
+    """The shared experiment's no_sync with the PIL loader, trained in the session's shared start: its output
+    folder, and the run's output."""
+    folder, outputs = shared_start(tmp_path_factory, image_data)
+    return folder / "pil" / "no_sync", outputs["pil"][0]
 
 
 def assert_refused(stderr, *fragments):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, train, verify
+from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, verify
 from ddp_no_sync_lab import cli, files
 from ddp_no_sync_lab.tasks import data, loaders
 from tools import synthetic_data
@@ -251,12 +251,12 @@ def test_nodes_sharing_one_data_folder_decode_it_once(tmp_path, image_data):
     assert len(list(shared.glob(".decoded-*.npz"))) == 1 and not list(shared.glob(".*tmp-*"))
 
 
-@pytest.mark.torchrun
-def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_loaders(lab_runs, image_data, tmp_path):
+def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_loaders(lab_runs, pil_run, tmp_path):
     artifacts, _ = lab_runs
     mixed = tmp_path / "artifacts"
     shutil.copytree(artifacts / "every", mixed / "every")
-    result = assert_ok(train(image_data, mixed / "no_sync", "no_sync", "--loader", "pil", "--quiet"))
+    output, result = pil_run
+    shutil.copytree(output, mixed / "no_sync")
     rows = [json.loads(line) for line in result.stdout.splitlines()[:2]]
     tensor_rows = read_json(artifacts / "no_sync" / files.HISTORY_FILE)
     counts = ("optimizer_steps", "gradient_syncs", "allreduce_bytes", "buffer_broadcast_collectives", "broadcast_bytes")

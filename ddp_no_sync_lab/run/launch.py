@@ -401,10 +401,11 @@ def raise_if(error):
 
 
 @contextmanager
-def bounded_teardown(place, seconds=TEARDOWN_SECONDS):
-    """Around the process groups' teardown: if it has not returned within `seconds`, a watchdog process (it
+def bounded_teardown(place):
+    """Around the process groups' teardown: if it has not returned within TEARDOWN_SECONDS, a watchdog process (it
     needs no GIL, which the hung main thread holds) prints one line (from each node's first process) and ends
     this process. What the run wrote before stays as written."""
+    seconds = TEARDOWN_SECONDS
     line = (
         f"{SCRIPT}: the process groups did not close within {seconds} s (gloo's threads still held the "
         f"communication hook's callbacks); ending the process (the run's artifacts were written before it)"

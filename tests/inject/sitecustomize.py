@@ -27,8 +27,9 @@ LAB_TEST_NAN_AT_STEP ("<rank>:<step>", rank * for all): a NaN in one gradient ju
 LAB_TEST_SAME_SHARD=1: every rank's DistributedSampler reads rank 0's shard (a sampler set up without the
   rank): the gradients still agree after the all-reduce.
 LAB_TEST_SAME_ORDER=1: every DistributedSampler's set_epoch does nothing: each epoch reads the first one's order.
-LAB_TEST_HANG_IN_TEARDOWN=1: closing the process groups hangs, as gloo's threads can at exit (in the job's
-  first start only: a restart closes them).
+LAB_TEST_HANG_IN_TEARDOWN (a number of seconds): closing the process groups hangs, as gloo's threads can at exit,
+  and train.py's watchdog waits that long, not 10 s, before it ends the process (in the job's first start only: a
+  restart closes them, within the watchdog's own bound).
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: torchrun's
@@ -318,10 +319,13 @@ def inject(variables):
 
         import torch.distributed
 
+        from ddp_no_sync_lab.run import launch
+
         def hang(*args, **kwargs):
             time.sleep(3600)
 
         patch(torch.distributed, "destroy_process_group", hang)
+        patch(launch, "TEARDOWN_SECONDS", int(variables["LAB_TEST_HANG_IN_TEARDOWN"]))
 
     if variables.get("LAB_TEST_COUNT_DECODES"):
         from ddp_no_sync_lab.tasks import data
