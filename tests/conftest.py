@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ddp_no_sync_lab import experiment
 from ddp_no_sync_lab.experiment import MODES
 from ddp_no_sync_lab.tasks import data
 from tools import synthetic_data
@@ -116,7 +117,8 @@ def injections():
 @contextlib.contextmanager
 def injected(**variables):
     """The injections that LAB_TEST_* `variables` ask for, in this process for the block (as a run's own in
-    tests/workers/runs.py), put back after it."""
+    tests/workers/runs.py), put back after it. What the code under it caches stays cached (verify.py's recomputed
+    packing): every in-process call with an injection must ask for the same one."""
     kept = len(injections().PATCHED)
     injections().inject(variables)
     try:
@@ -396,11 +398,18 @@ SHARED_REFUSALS = {
 DDP_LEVERS = ["--comm-hook", "bf16", "--bucket-cap-mb", "0.5", "--no-broadcast-buffers"]
 
 
+# The shared experiment's data in micro-batches of 12 with --partial-window scale, one epoch, at the bounds of
+# --seed and --bucket-cap-mb (torch's own), every with --device auto and no_sync with cpu (test_faults.py).
+PARTIAL_WINDOW_SCALE = ["--batch-size", "12", "--partial-window", "scale", "--epochs", "1", "--quiet"]
+PARTIAL_WINDOW_SCALE += ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
+PARTIAL_WINDOW_DEVICES = {"every": "auto", "no_sync": "cpu"}
+
+
 def shared_runs(folder, image_data):
     """The session's shared start, its runs by group: both modes of the shared experiment, profiled (PROFILED),
     every with progress lines and no_sync with --quiet; both modes of the vector task (tests/tasks/vector_task.py);
-    both modes of the shared experiment with DDP_LEVERS; its no_sync with the PIL loader; then the refusals of
-    SHARED_REFUSALS, each into its own output folder."""
+    both modes of the shared experiment with DDP_LEVERS; its no_sync with the PIL loader; both modes with
+    PARTIAL_WINDOW_SCALE; then the refusals of SHARED_REFUSALS, each into its own output folder."""
     artifacts, common = folder / "artifacts", ["--data-dir", image_data, *SMALL_RUN, *PROFILED]
     plain = ["--data-dir", image_data, *SMALL_RUN, "--quiet"]
     return {
@@ -411,6 +420,11 @@ def shared_runs(folder, image_data):
         "vectors": [["--mode", mode, "--output", folder / "vectors" / mode, *VECTOR_TASK] for mode in MODES],
         "levers": [["--mode", mode, "--output", folder / "levers" / mode, *plain, *DDP_LEVERS] for mode in MODES],
         "pil": [["--mode", "no_sync", "--output", folder / "pil" / "no_sync", *plain, "--loader", "pil"]],
+        "partial-window": [
+            ["--mode", mode, "--output", folder / "partial-window" / mode, "--data-dir", image_data]
+            + [*PARTIAL_WINDOW_SCALE, "--device", device]
+            for mode, device in PARTIAL_WINDOW_DEVICES.items()
+        ],
         "refused": [
             [REFUSED, *injections, "--mode", "every", "--output", folder / "refused" / name]
             + ["--data-dir", image_data, *SMALL_RUN, *options(folder)]
@@ -466,6 +480,14 @@ def levers_runs(tmp_path_factory, image_data):
     """Both modes of the shared experiment with DDP_LEVERS, trained in the session's shared start."""
     folder, _ = shared_start(tmp_path_factory, image_data)
     return folder / "levers"
+
+
+@pytest.fixture(scope="session")
+def partial_window_runs(tmp_path_factory, image_data):
+    """Both modes with PARTIAL_WINDOW_SCALE, trained in the session's shared start: their folder, and each mode's
+    output."""
+    folder, outputs = shared_start(tmp_path_factory, image_data)
+    return folder / "partial-window", dict(zip(MODES, outputs["partial-window"]))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from conftest import (
     assert_ok,
     assert_one_line_error,
     assert_train_error,
+    copy_runs,
     read_json,
     run_python,
     train,
@@ -128,7 +129,7 @@ def test_static_graph_inside_no_sync_is_refused_with_one_line(matrix):
 def test_train_py_records_its_levers_and_verify_audits_them(levers_runs, tmp_path):
     """Both modes with three levers at once (conftest.DDP_LEVERS), audited against their own configuration; a pair
     whose hooks differ and the strict audit both name the lever."""
-    artifacts = levers_runs
+    artifacts = copy_runs(levers_runs, tmp_path / "artifacts")  # verify.py draws beside the runs it passes
     config = read_json(artifacts / "every" / files.RUN_RECORD_FILE)["config"]
     assert {name: config[name] for name in experiment.DDP_DEFAULTS} == {
         **experiment.DDP_DEFAULTS,

@@ -89,7 +89,7 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
 @pytest.fixture(scope="module")
 def own_runs(image_data, tmp_path_factory):
     """In one torchrun start: both modes in micro-batches of 20 (one window per epoch), `every` on the shared
-    data's twin with its training labels shuffled, and no_sync as the shared start ran it, unprofiled."""
+    data's twin with its training labels shuffled, and every as the shared start ran it first, unprofiled."""
     folder = tmp_path_factory.mktemp("own-runs")
     shuffled = folder / "shuffled-data"
     synthetic_data.write_dataset(shuffled, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
@@ -100,7 +100,7 @@ def own_runs(image_data, tmp_path_factory):
     options = ["--data-dir", image_data, *SMALL_RUN, "--batch-size", "20", "--quiet"]
     one_window = [["--mode", mode, "--output", folder / "one-window" / mode, *options] for mode in MODES]
     shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
-    rerun = ["--mode", "no_sync", "--output", folder / "rerun" / "no_sync", "--data-dir", image_data, *SMALL_RUN]
+    rerun = ["--mode", "every", "--output", folder / "rerun" / "every", "--data-dir", image_data, *SMALL_RUN]
     train_in_one_start(folder / "logs", *one_window, shuffled_run, [*rerun, "--quiet"])
     return folder
 
@@ -231,9 +231,11 @@ def test_infer_classifies_the_sample_as_the_model_does(lab_runs):
 def test_a_second_run_with_the_same_seed_is_identical(lab_runs, own_runs, image_data, tmp_path, mode):
     """Both modes rerun bit for bit: history (timings aside), weights, BatchNorm buffers, confusion matrix.
     The first run was profiled and the rerun is not: profiling changes nothing, and without the option nothing
-    is profiled. every reruns as train.py's own command, no_sync after other runs in the module's start."""
+    is profiled. no_sync reruns as train.py's own command against the shared start's second run, every after
+    other runs in the module's start against the shared start's first: each comparison sets a run that followed
+    others in its process beside one that did not."""
     artifacts, _ = lab_runs
-    if mode == "every":
+    if mode == "no_sync":
         rerun = tmp_path / mode
         assert_ok(train(image_data, rerun, mode, "--quiet"))
     else:

@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    PARTIAL_WINDOW_DEVICES,
     SMALL_RUN,
     assert_one_line_error,
     assert_refused,
     assert_train_error,
+    copy_runs,
     read_json,
     run_in_process,
     run_python,
     start_train,
     subprocess_env,
     train,
-    train_in_one_start,
     verify,
 )
 from ddp_no_sync_lab import experiment, files
@@ -94,28 +95,22 @@ def test_a_partial_last_window_stops_before_training_with_the_documents_message(
     assert not output.exists() and files.unfinished_runs(output) == []
 
 
-@pytest.mark.torchrun
-def test_partial_window_scale_trains_and_is_audited(image_data, tmp_path):
+def test_partial_window_scale_trains_and_is_audited(partial_window_runs, tmp_path):
     """Also at the bounds of --seed and --bucket-cap-mb, which are torch's own: 1 epoch on 2 ranks uses seeds up
     to 2**64 - 1; one past them is refused at parse time (test_bad_numbers_and_choices_get_one_line)."""
     assert experiment.seed_range_error(2**64 - 2, 1, 2) is None and experiment.seed_range_error(2**64 - 1, 1, 2)
-    highest = ["--seed", str(2**64 - 2), "--bucket-cap-mb", str(experiment.BUCKET_CAP_MB_LIMIT - 1)]
-    artifacts = tmp_path / "artifacts"
-    cases = (("every", 7, "auto"), ("no_sync", 2, "cpu"))
-    partial_windows = ["--batch-size", "12", "--partial-window", "scale", "--epochs", "1", "--quiet"]
-    options = [*partial_windows, *highest, "--data-dir", image_data]
-    runs = [["--mode", mode, "--output", artifacts / mode, *options, "--device", device] for mode, _, device in cases]
-    results = train_in_one_start(tmp_path / "logs", *runs)
-    for (_, syncs, device), result in zip(cases, results):
-        row = json.loads(result.stdout.splitlines()[0])
+    runs, results = partial_window_runs
+    artifacts = copy_runs(runs, tmp_path / "artifacts")  # verify.py draws beside the runs it passes
+    for mode, syncs in (("every", 7), ("no_sync", 2)):
+        row = json.loads(results[mode].stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (2, syncs)
         # --device auto on a machine without CUDA (CI's): one notice, from rank 0, and the run goes on on CPU.
         notices = [
             line
-            for line in result.stderr.splitlines()
+            for line in results[mode].stderr.splitlines()
             if "0 GPU(s) visible for 2 process(es) on node 0; running on CPU" in line
         ]
-        assert len(notices) == (1 if device == "auto" else 0), result.stderr
+        assert len(notices) == (1 if PARTIAL_WINDOW_DEVICES[mode] == "auto" else 0), results[mode].stderr
     audit = verify(artifacts)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 3.5x"

@@ -193,7 +193,9 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 # Each way the nodes can disagree at start-up, as node 0's and node 1's runs of train.py (their options, data
 # folder and test-only injections), and the line both nodes must stop on. All in the module's two-node start, after
 # its pair (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is
-# tested as a command: a node running other code, a killed rank, CPUs that would choose another precision.
+# tested as a command: an option one node cannot parse (train.main agrees on it after the process group is made,
+# before the runs worker's steps), a node running other code, a killed rank, CPUs that would choose another
+# precision.
 NODE_REFUSALS = {
     "data": (
         [],
@@ -227,13 +229,6 @@ NODE_REFUSALS = {
         [],
         "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every",
     ),
-    # train.main agrees on a usage error after the process group is made: one node's parse stops both
-    "parse": (
-        [],
-        ["--epochs", "0"],
-        [],
-        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
-    ),
 }
 
 
@@ -250,8 +245,7 @@ def node_refusals(node_start):
 @pytest.mark.parametrize("refusal", NODE_REFUSALS)
 def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(node_refusals, refusal):
     """Data, a node without data that cannot download it, the world size, devices, another torch, options that
-    differ, an option one node cannot parse (train.main agrees on it after the process group is made): every rank
-    raises at the same check, and each node says it in one line."""
+    differ: every rank raises at the same check, and each node says it in one line."""
     node0, stderr = node_refusals
     line = NODE_REFUSALS[refusal][3]
     for node, text in enumerate(stderr[refusal]):
@@ -265,6 +259,19 @@ def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(n
             if path.name.split(".")[:2] in (["data"], ["", "data"])
         ]
         assert claimed == [".data.lock"]
+
+
+@pytest.mark.torchrun
+def test_an_option_that_one_node_cannot_parse_stops_both(tmp_path, image_data):
+    """train.main makes the process group before it stops on a usage error, so that every node learns of it."""
+    node0, node1 = node_folders(tmp_path, image_data)
+    good, _ = same_run("every")
+    results, seconds = two_nodes([node0, node1], good, [*good, "--epochs", "0"])
+    assert_both_nodes_stop(
+        results,
+        seconds,
+        "train.py: error: [rank 1, node 1] argument --epochs: must be at least 1, got 0 (see: python train.py --help)",
+    )
 
 
 @pytest.mark.torchrun

@@ -30,6 +30,7 @@ from ddp_no_sync_lab.run import resume
 from test_faults import rank_pid, stop_run
 from test_nodes import node_folders, start_nodes, two_nodes
 
+KILLED_WRITE = ".history.json.tmp-host-1-0a0b0c0d"  # a temporary file whose write was killed before its rename
 CHECKPOINTS = ["--checkpoint-every-windows", "2"]  # saves after windows 2 and 4 of each epoch, and at its end
 
 
@@ -151,6 +152,7 @@ def preempted_copies(preempted, image_data, tmp_path_factory):
         (partial,) = files.unfinished_runs(root / name / "no_sync")
         copies[name] = (root / name / "no_sync", partial)
     for damage in ("truncated", "altered"):
+        (copies[damage][1] / KILLED_WRITE).write_bytes(b"half a writ")
         state, _ = newest_save(copies[damage][1])
         content = state.read_bytes()
         state.write_bytes(
@@ -169,7 +171,7 @@ def test_a_saved_state_cut_short_or_altered_is_refused(preempted_copies, damage)
     _, partial, result = preempted_copies[damage]
     state, record = newest_save(partial)
     assert_refused(result.stderr, f"{state} is not the state {record} recorded", "cut short or altered")
-    assert state.is_file()  # refused, nothing removed
+    assert state.is_file() and (partial / KILLED_WRITE).is_file()  # refused, nothing removed
 
 
 @pytest.mark.torchrun
@@ -298,7 +300,9 @@ def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into
     (partial,) = files.unfinished_runs(output)
     _, record = newest_save(partial)
     assert (read_json(record)["epoch"], read_json(record)["micro_batch"]) == (2, 0)
-    (partial / ".history.json.tmp-host-1-0a0b0c0d").write_bytes(b"half a writ")  # a write killed before its rename
+    (partial / KILLED_WRITE).write_bytes(
+        b"half a writ"
+    )  # left by the refusal below (test above), removed by the resume
     common = ["--output", output, "--data-dir", image_data, *SMALL_RUN, "--resume", "--quiet"]
     refused, _ = train_in_one_start(
         tmp_path / "logs", [REFUSED, "--mode", "every", *common, "--bucket-cap-mb", "1"], ["--mode", "no_sync", *common]

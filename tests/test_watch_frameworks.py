@@ -12,13 +12,14 @@ from datetime import timedelta
 
 import pytest
 
+from benchmarks import bench_watch
 from conftest import REPO, SMALL_RUN, WORKERS, subprocess_env, torchrun, verify
 from ddp_no_sync_lab.watch import observe
 from ddp_no_sync_lab.watch.report import GLOSSES
 from test_watch import last_line, marks
 
 LOOPS = REPO / "tests" / "loops"
-BENCH_LIGHTNING_LOOP = REPO / "benchmarks" / "watch_loop_lightning.py"  # benchmarks/bench_watch.py's
+BENCH_PLAIN_LOOP = REPO / "benchmarks" / "watch_loop.py"  # benchmarks/bench_watch.py's hand-written loop
 MODES = ("every", "no_sync")
 # Each case: its loop and the loop's --case.
 CASES = {
@@ -134,13 +135,13 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory, image_data):
     """Every case's [rank 0's, rank 1's] {status, stdout, stderr}, all run in one torchrun start: the loops, the
-    overhead benchmark's Lightning loop, then the lab's train.py --strategy fsdp in both modes."""
+    overhead benchmark's hand-written loop, then the lab's train.py --strategy fsdp in both modes."""
     folder = tmp_path_factory.mktemp("frameworks")
     cases = []
     for name, (loop, case) in CASES.items():
         output = ["--output", folder / name] if loop == "hf_trainer_loop.py" else []
         cases.append([name, LOOPS / loop, "--case", case, *output])
-    cases.append(["bench_lightning", BENCH_LIGHTNING_LOOP, "--windows", "1", "--batch-size", "4"])
+    cases.append(["bench_plain", BENCH_PLAIN_LOOP, "--windows", "1", "--batch-size", "4"])
     lab = [REPO / "train.py", "--strategy", "fsdp", "--data-dir", image_data, *SMALL_RUN, "--quiet"]
     cases += [[f"lab_fsdp_{mode}", *lab, "--mode", mode, "--output", folder / "lab" / mode] for mode in MODES]
     arguments = [argument for case in cases for argument in ("---", *case)]
@@ -205,10 +206,11 @@ def test_lightning_started_by_plain_python_is_refused_in_one_line_naming_torchru
 
 
 @pytest.mark.torchrun
-def test_the_overhead_benchmarks_lightning_loop_passes_the_watcher_and_prints_its_timed_seconds(watched):
+def test_the_overhead_benchmarks_hand_written_loop_passes_the_watcher_and_prints_its_timed_seconds(watched):
     """The loop benchmarks/bench_watch.py times plain and watched (one window timed after one of warm-up), as its
     watched start runs it: the watcher passes it, and rank 0 prints the line the benchmark reads."""
-    rank0, rank1 = watched["bench_lightning"]
+    assert bench_watch.LOOPS["plain"] == BENCH_PLAIN_LOOP.name
+    rank0, rank1 = watched["bench_plain"]
     assert (rank0["status"], rank1["status"]) == (0, 0), rank0["stderr"][-2000:]
     assert last_line(rank0) == "AUDIT PASSED"
     (timed,) = [json.loads(line) for line in rank0["stdout"].splitlines() if line.startswith('{"loop_seconds"')]

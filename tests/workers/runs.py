@@ -18,6 +18,7 @@ a test that needs several runs of the same code pays it once.
 """
 
 import contextlib
+import gc
 import sys
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def main():
                         raise
                     if place.local_rank == 0:
                         print(error.line(train.SCRIPT), file=sys.stderr)
+        # The run's objects freed, cycles too, before the next run: its output's lock (files.claim_output, held
+        # as long as its handle lives) with them, as a process of its own would have ended.
+        gc.collect()
     dist.destroy_process_group()
 
 
