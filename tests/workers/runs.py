@@ -83,9 +83,10 @@ def main():
                         raise
                     if place.local_rank == 0:
                         print(error.line(train.SCRIPT), file=sys.stderr)
-        # The run's objects freed, cycles too, before the next run: its output's lock (files.claim_output, held
-        # as long as its handle lives) with them, as a process of its own would have ended.
-        gc.collect()
+        if refused:
+            # Its error's frames freed, cycles too, and with them its output's lock (files.claim_output), as its own
+            # process would have ended: a next run may write into the same output.
+            gc.collect()
     dist.destroy_process_group()
 
 
