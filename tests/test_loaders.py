@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SOURCE_IMAGES, assert_ok, assert_one_line_error, read_json, subprocess_env, verify
+from conftest import SOURCE_IMAGES, assert_one_line_error, read_json, verify
 from ddp_no_sync_lab import cli, files
 from ddp_no_sync_lab.tasks import data, loaders
 from tools import synthetic_data
@@ -229,26 +229,6 @@ def test_temporary_names_are_unique_even_for_equal_pids(tmp_path, monkeypatch):
     for _ in range(2):
         files.write_atomic(tmp_path / "cache.npz", b"data")
     assert len(set(used)) == 2
-
-
-@pytest.mark.torchrun
-def test_nodes_sharing_one_data_folder_decode_it_once(tmp_path, image_data):
-    """Two nodes, one data folder (a shared filesystem), no cache yet: one node decodes while the other waits
-    for it, and both train on the one cache."""
-    from test_nodes import same_run, two_nodes
-
-    shared = tmp_path / "shared-data"
-    shutil.copytree(image_data, shared, ignore=shutil.ignore_patterns(".decoded*"))
-    decodes = tmp_path / "decodes.log"
-    node_folders = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in node_folders:
-        folder.mkdir()
-    args, _ = same_run("every", ["--data-dir", str(shared), "--epochs", "1"])
-    results, _ = two_nodes(node_folders, args, args, env=subprocess_env(LAB_TEST_COUNT_DECODES=str(decodes)))
-    for result in results:
-        assert_ok(result)
-    assert len(decodes.read_text().splitlines()) == 1
-    assert len(list(shared.glob(".decoded-*.npz"))) == 1 and not list(shared.glob(".*tmp-*"))
 
 
 def test_the_pil_loader_trains_with_the_same_counts_and_verify_refuses_to_mix_loaders(lab_runs, pil_run, tmp_path):

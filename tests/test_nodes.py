@@ -105,8 +105,9 @@ def same_run(mode, extra=()):
 
 @pytest.fixture(scope="module")
 def node_start(tmp_path_factory, image_data):
-    """One two-node start: both modes, profiled as the one-node runs, then NODE_REFUSALS' runs, one after the
-    other. Each node's folder and its stderr of each run: [node][run]."""
+    """One two-node start: both modes, profiled as the one-node runs; a run on one data folder both nodes share,
+    without its decode cache, each decode counted in decodes.log; then NODE_REFUSALS' runs, one after the other.
+    Each node's folder and its stderr of each run: [node][run]."""
     root = tmp_path_factory.mktemp("nodes")
     node0, node1 = node_folders(root, image_data)
     for folder in (node0, node1):
@@ -114,8 +115,12 @@ def node_start(tmp_path_factory, image_data):
     cat = sorted((node1 / "differing" / "train" / "cat").iterdir())[0]
     shutil.copy(sorted((node1 / "differing" / "train" / "dog").iterdir())[0], cat)
     shutil.copytree(image_data, node0 / "absent")
+    shutil.copytree(image_data, root / "shared-data", ignore=shutil.ignore_patterns(".decoded*"))
+    shared_data, _ = same_run("every", ["--data-dir", str(root / "shared-data"), "--epochs", "1"])
+    shared_data[shared_data.index("--output") + 1] = "artifacts/shared-data"
+    shared_data.append(f"LAB_TEST_COUNT_DECODES={root / 'decodes.log'}")
     pair = [same_run(mode, PROFILED)[0] for mode in MODES]
-    runs = [list(pair), list(pair)]
+    runs = [[*pair, shared_data], [*pair, shared_data]]
     for name, (node0_words, node1_words, both, _) in NODE_REFUSALS.items():
         args, _ = same_run("every", both)
         args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
@@ -194,8 +199,7 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 # folder and test-only injections), and the line both nodes must stop on. All in the module's two-node start, after
 # its pair (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is
 # tested as a command: an option one node cannot parse (train.main agrees on it after the process group is made,
-# before the runs worker's steps), a node running other code, a killed rank, CPUs that would choose another
-# precision.
+# before the runs worker's steps), a node running other code, a killed rank.
 NODE_REFUSALS = {
     "data": (
         [],
@@ -229,6 +233,16 @@ NODE_REFUSALS = {
         [],
         "[rank 1, node 1] its train.py options differ from rank 0's: --mode no_sync vs every",
     ),
+    "precision": (  # node 1 decides as a CPU without BF16 instructions, node 0 as one with them
+        ["LAB_TEST_CPU_BF16=1"],
+        ["LAB_TEST_CPU_BF16=0"],
+        [],
+        (
+            "[rank 1, node 1] its precision differs from rank 0's: fp32 on a CPU",
+            "vs bf16 on a CPU",
+            "pass the same --precision on every node",
+        ),
+    ),
 }
 
 
@@ -237,7 +251,8 @@ def node_refusals(node_start):
     """NODE_REFUSALS' runs, from the module's two-node start: node 0's folder, and each node's stderr of each."""
     (node0, _), stderr = node_start
     return node0, {
-        name: [stderr[node][len(MODES) + number] for node in (0, 1)] for number, name in enumerate(NODE_REFUSALS)
+        name: [stderr[node][number - len(NODE_REFUSALS)] for node in (0, 1)]
+        for number, name in enumerate(NODE_REFUSALS)
     }
 
 
@@ -245,11 +260,14 @@ def node_refusals(node_start):
 @pytest.mark.parametrize("refusal", NODE_REFUSALS)
 def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(node_refusals, refusal):
     """Data, a node without data that cannot download it, the world size, devices, another torch, options that
-    differ: every rank raises at the same check, and each node says it in one line."""
+    differ, CPUs that would choose another precision: every rank raises at the same check, and each node says it
+    in one line."""
     node0, stderr = node_refusals
     line = NODE_REFUSALS[refusal][3]
+    fragments = line if isinstance(line, tuple) else (line,)
     for node, text in enumerate(stderr[refusal]):
-        assert len([row for row in text.splitlines() if line in row]) == 1, f"node {node}:\n{text[-3000:]}"
+        ours = [row for row in text.splitlines() if all(fragment in row for fragment in fragments)]
+        assert len(ours) == 1, f"node {node}:\n{text[-3000:]}"
         assert "Traceback" not in text and "no refusal" not in text, text[-3000:]
         assert len([row for row in text.splitlines() if "error:" in row or "Error:" in row]) == 1, text[-3000:]
     if refusal == "data":  # its output was checked and claimed (its lock file), nothing was written
@@ -259,6 +277,16 @@ def test_nodes_that_disagree_at_start_up_both_stop_on_one_line_naming_the_node(n
             if path.name.split(".")[:2] in (["data"], ["", "data"])
         ]
         assert claimed == [".data.lock"]
+
+
+@pytest.mark.torchrun
+def test_nodes_sharing_one_data_folder_decode_it_once(node_start):
+    """Two nodes, one data folder (a shared filesystem), no cache yet: one node decodes while the other waits
+    for it, and both train on the one cache (the run ended, or the start would have failed)."""
+    (node0, _), _ = node_start
+    shared = node0.parent / "shared-data"
+    assert len((node0.parent / "decodes.log").read_text().splitlines()) == 1
+    assert len(list(shared.glob(".decoded-*.npz"))) == 1 and not list(shared.glob(".*tmp-*"))
 
 
 @pytest.mark.torchrun

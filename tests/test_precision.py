@@ -16,7 +16,6 @@ from conftest import (
     verify,
 )
 from ddp_no_sync_lab import precision
-from test_nodes import assert_both_nodes_stop, node_folders, same_run, two_nodes
 from tools import synthetic_data
 
 CPU = torch.device("cpu")
@@ -121,21 +120,6 @@ def test_verify_refuses_runs_of_different_precision(tmp_path):
         verify(tmp_path / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
     )
     assert "rerun both modes with the same settings" in line
-
-
-@pytest.mark.torchrun
-def test_nodes_whose_cpus_would_choose_differently_both_stop(tmp_path, image_data):
-    """Node 1 decides as a CPU without BF16 instructions, node 0 as one with them: one line naming node 1."""
-    node0, node1 = node_folders(tmp_path, image_data)
-    args, _ = same_run("every")
-    results, seconds = two_nodes([node0, node1], args, args, node_env=({"LAB_CPU_BF16": "1"}, {"LAB_CPU_BF16": "0"}))
-    assert_both_nodes_stop(
-        results,
-        seconds,
-        "[rank 1, node 1] its precision differs from rank 0's: fp32 on a CPU",
-        "vs bf16 on a CPU",
-        "pass the same --precision on every node",
-    )
 
 
 def test_infer_evaluates_in_the_runs_precision(lab_runs, tmp_path):

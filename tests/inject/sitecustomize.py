@@ -31,6 +31,8 @@ LAB_TEST_HANG_IN_TEARDOWN (a number of seconds): closing the process groups hang
   and train.py's watchdog waits that long, not 10 s, before it ends the process (in the job's first start only: a
   restart closes them, within the watchdog's own bound).
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
+LAB_TEST_CPU_BF16 (0 or 1): LAB_CPU_BF16 set to it, for one run of tests/workers/runs.py as its own process would
+  have it (the precision `auto` takes decided as on a CPU with or without BF16 instructions).
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: torchrun's
   TORCHELASTIC_RESTART_COUNT; "-" for none): the process that reaches the point ends at once by SIGKILL, as a
@@ -61,6 +63,7 @@ LAB_TEST_WATCH_HANDSHAKE_SECONDS (a number): the watcher waits that long, not 20
 import json
 import os
 import sys
+from collections.abc import MutableMapping
 
 # A rank started under torchrun by a test not marked torchrun (tests/conftest.py): the fast tier stays free of starts.
 if os.environ.get("LAB_TEST_UNMARKED") and os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -72,8 +75,8 @@ ABSENT = object()  # what a dict held under a name it did not have
 
 
 def patch(owner, name, value):
-    """owner.name (owner[name] for a dict) replaced by value, until undo()."""
-    if isinstance(owner, dict):
+    """owner.name (owner[name] for a dict or os.environ) replaced by value, until undo()."""
+    if isinstance(owner, MutableMapping):
         PATCHED.append((owner, name, owner.get(name, ABSENT)))
         owner[name] = value
     else:
@@ -345,6 +348,9 @@ def inject(variables):
         from ddp_no_sync_lab.watch import observe
 
         patch(observe, "HANDSHAKE_TIMEOUT", timedelta(seconds=int(variables["LAB_TEST_WATCH_HANDSHAKE_SECONDS"])))
+
+    if variables.get("LAB_TEST_CPU_BF16"):
+        patch(os.environ, "LAB_CPU_BF16", variables["LAB_TEST_CPU_BF16"])
 
     if variables.get("LAB_TEST_NODE_TORCH_VERSION"):
         node, version = variables["LAB_TEST_NODE_TORCH_VERSION"].split(":")
