@@ -197,7 +197,7 @@ def assert_both_nodes_stop(results, seconds, *fragments):
 
 # Each way the nodes can disagree at start-up, as node 0's and node 1's runs of train.py (their options, data
 # folder and test-only injections), and the line both nodes must stop on. All in the module's two-node start, after
-# its pair (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is
+# its pair and its shared-folder run (tests/workers/runs.py, each run REFUSED); that a refusal also ends both launchers within a minute is
 # tested as a command: an option one node cannot parse (train.main agrees on it after the process group is made,
 # before the runs worker's steps), a node running other code, a killed rank.
 NODE_REFUSALS = {

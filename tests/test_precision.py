@@ -2,12 +2,14 @@
 own capability report; the decision is stated, recorded, agreed between nodes and checked by verify.py."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from conftest import (
     assert_one_line_error,
+    injected,
     read_json,
     run_in_process,
     run_python,
@@ -120,6 +122,19 @@ def test_verify_refuses_runs_of_different_precision(tmp_path):
         verify(tmp_path / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
     )
     assert "rerun both modes with the same settings" in line
+
+
+def test_a_runs_own_override_is_put_back_after_it(monkeypatch):
+    """LAB_TEST_CPU_BF16 (a run's own LAB_CPU_BF16 in tests/workers/runs.py) is undone as the run ends: the value
+    the process had comes back, set or unset."""
+    monkeypatch.setenv("LAB_CPU_BF16", "1")
+    with injected(LAB_TEST_CPU_BF16="0"):
+        assert os.environ["LAB_CPU_BF16"] == "0"
+    assert os.environ["LAB_CPU_BF16"] == "1" and "LAB_CPU_BF16" not in vars(os.environ)
+    monkeypatch.delenv("LAB_CPU_BF16")
+    with injected(LAB_TEST_CPU_BF16="1"):
+        assert os.environ["LAB_CPU_BF16"] == "1"
+    assert "LAB_CPU_BF16" not in os.environ
 
 
 def test_infer_evaluates_in_the_runs_precision(lab_runs, tmp_path):

@@ -300,9 +300,8 @@ def test_sigterm_in_an_epochs_last_window_stops_at_its_end_and_resumes_only_into
     (partial,) = files.unfinished_runs(output)
     _, record = newest_save(partial)
     assert (read_json(record)["epoch"], read_json(record)["micro_batch"]) == (2, 0)
-    (partial / KILLED_WRITE).write_bytes(
-        b"half a writ"
-    )  # left by the refusal below (test above), removed by the resume
+    # A refusal leaves it (test_a_saved_state_cut_short_or_altered_is_refused); the resume must not publish it.
+    (partial / KILLED_WRITE).write_bytes(b"half a writ")
     common = ["--output", output, "--data-dir", image_data, *SMALL_RUN, "--resume", "--quiet"]
     refused, _ = train_in_one_start(
         tmp_path / "logs", [REFUSED, "--mode", "every", *common, "--bucket-cap-mb", "1"], ["--mode", "no_sync", *common]

@@ -90,7 +90,7 @@ def undo(keep=0):
         owner, name, held = PATCHED.pop()
         if held is ABSENT:
             del owner[name]
-        elif isinstance(owner, dict):
+        elif isinstance(owner, MutableMapping):
             owner[name] = held
         else:
             setattr(owner, name, held)

@@ -85,7 +85,8 @@ def main():
                         print(error.line(train.SCRIPT), file=sys.stderr)
         if refused:
             # Its error's frames freed, cycles too, and with them its output's lock (files.claim_output), as its own
-            # process would have ended: a next run may write into the same output.
+            # process would have ended: a next run may write into the same output (only a refused run is followed
+            # by one into its output in the suite; a start that reuses a trained run's output needs this too).
             gc.collect()
     dist.destroy_process_group()
 
