@@ -80,15 +80,16 @@ def two_nodes(folders, *node_args, env=None, node_env=({}, {}), checkouts=(REPO,
     return finish(start_nodes(folders, *node_args, env=env, node_env=node_env, checkouts=checkouts))
 
 
-def two_nodes_in_one_start(folders, logs, *runs, node_env=({}, {})):
-    """Several train.py runs (each a list of its options, the same on both nodes) in one two-node start
-    (tests/workers/runs.py, as conftest.train_in_one_start on one node). Returns each run's stderr on each node:
-    [node][run]."""
-    options = runs_worker_arguments(logs, runs)
-    results, _ = finish(start_nodes(folders, options, options, node_env=node_env, script=RUNS_WORKER))
+def two_nodes_in_one_start(folders, logs, node_runs, node_env=({}, {})):
+    """Several train.py runs in one two-node start (tests/workers/runs.py, as conftest.train_in_one_start on one
+    node): node_runs[r] is node r's runs (each a list of its options), as many on each node. Returns each run's
+    stderr on each node: [node][run]."""
+    node_args = [runs_worker_arguments(logs, runs) for runs in node_runs]
+    results, _ = finish(start_nodes(folders, *node_args, node_env=node_env, script=RUNS_WORKER))
     for result in results:
         assert_ok(result)
-    return [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(len(runs))] for node in (0, 1)]
+    count = len(node_runs[0])
+    return [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(count)] for node in (0, 1)]
 
 
 def node_folders(tmp_path, image_data):
@@ -126,13 +127,7 @@ def node_start(tmp_path_factory, image_data):
         args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
         runs[0].append([REFUSED, *args, *node0_words])  # a node's own words last: the last of an option counts
         runs[1].append([REFUSED, *args, *node1_words])
-    logs = root / "logs"
-    node_args = [runs_worker_arguments(logs, node_runs) for node_runs in runs]
-    results, _ = finish(start_nodes([node0, node1], *node_args, script=RUNS_WORKER))
-    for result in results:
-        assert_ok(result)
-    stderr = [[(logs / f"{number}.rank{node}.stderr").read_text() for number in range(len(runs[0]))] for node in (0, 1)]
-    return [node0, node1], stderr
+    return [node0, node1], two_nodes_in_one_start([node0, node1], root / "logs", runs)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +324,7 @@ def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data)
     node0, node1 = node_folders(tmp_path, image_data)
     threads = ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"})
     runs = [same_run(mode, ["--epochs", "1"])[0] for mode in MODES]
-    two_nodes_in_one_start([node0, node1], tmp_path / "logs", *runs, node_env=threads)
+    two_nodes_in_one_start([node0, node1], tmp_path / "logs", [runs, runs], node_env=threads)
     result = verify(node0 / "artifacts")
     assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("every", "no_sync"):
