@@ -498,6 +498,44 @@ def pil_run(tmp_path_factory, image_data):
     return folder / "pil" / "no_sync", outputs["pil"][0]
 
 
+# The runs that test modules train in the session's module start, by module: each registered at import by
+# module_runs (collection imports every module, in one order, in each pytest-xdist worker).
+MODULE_RUNS = {}
+
+
+def module_runs(name, prepare=None):
+    """Registers a module's runs in the session's module start: the decorated function of (its folder, the
+    shared images) returns its runs (train.py's options each, REFUSED and LAB_TEST_* words first where needed);
+    prepare(folder), if given, first writes what they read."""
+
+    def register(runs):
+        MODULE_RUNS[name] = (runs, prepare)
+        return runs
+
+    return register
+
+
+def module_start(tmp_path_factory, image_data, name):
+    """The runs module_runs registered as `name`: their folder and each run's output. The session trains every
+    module's runs in one torchrun start, made once, whichever worker asks first: one start's cost for all. A
+    module's folder is its own: its tests (one worker's, as --dist loadfile gives each file whole) may write there."""
+
+    def runs_by_module(folder):
+        return {module: runs(folder / module, image_data) for module, (runs, _) in MODULE_RUNS.items()}
+
+    def train_all(folder):
+        for module, (_, prepare) in MODULE_RUNS.items():
+            (folder / module).mkdir()
+            if prepare:
+                prepare(folder / module)
+        train_in_one_start(folder / "logs", *(run for runs in runs_by_module(folder).values() for run in runs))
+
+    folder = made_once(tmp_path_factory, "module-runs", train_all)
+    modules = runs_by_module(folder)
+    outputs = iter(runs_outputs(folder / "logs", [run for runs in modules.values() for run in runs]))
+    return folder / name, {module: [next(outputs) for _ in runs] for module, runs in modules.items()}[name]
+
+
 def assert_refused(stderr, *fragments):
     """A run of train.py refused at start-up (read from a REFUSED run's log): one line holding every fragment, the
     only error, no traceback."""

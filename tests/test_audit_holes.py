@@ -23,12 +23,13 @@ from conftest import (
     assert_ok,
     assert_one_line_error,
     copy_runs,
+    module_runs,
+    module_start,
     read_json,
     run_in_process,
     stderr_lines,
     subprocess_env,
     train,
-    train_in_one_start,
     verify,
 )
 from ddp_no_sync_lab import experiment, files
@@ -215,17 +216,20 @@ FAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def faulty_runs(tmp_path_factory, image_data):
-    """Every fault's run, in one torchrun start."""
-    out = tmp_path_factory.mktemp("faults")
+@module_runs("faults")
+def fault_runs(folder, image_data):
+    """Every fault's run, in the session's module start."""
     options = ["--data-dir", image_data, *SMALL_RUN, "--quiet"]
-    runs = [
-        [*injections, "--mode", "every", "--output", out / fault / "every", *options]
+    return [
+        [*injections, "--mode", "every", "--output", folder / fault / "every", *options]
         for fault, injections in FAULTS.items()
     ]
-    train_in_one_start(out / "logs", *runs)
-    return out
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(tmp_path_factory, image_data):
+    folder, _ = module_start(tmp_path_factory, image_data, "faults")
+    return folder
 
 
 def beside_the_shared_no_sync(lab_runs, faulty_runs, fault, tmp_path):

@@ -21,9 +21,10 @@ from conftest import (
     TIMING,
     assert_one_line_error,
     assert_train_error,
+    module_runs,
+    module_start,
     read_json,
     subprocess_env,
-    train_in_one_start,
     verify,
 )
 from conftest import (
@@ -202,16 +203,19 @@ def test_ddps_marked_ready_twice_becomes_one_line(monkeypatch):
 # ----------------------------------------------------------------------------- the real train.py
 
 
+@module_runs("checkpointed")
+def checkpointing_runs(folder, image_data):
+    """The checkpointed pair (in artifacts/), and beside it (twice/) `every` checkpointed with BatchNorm recomputed
+    as is (tests/inject), in the session's module start."""
+    common = ["--data-dir", image_data, *SMALL_RUN, "--activation-checkpointing", "--quiet"]
+    runs = [["--mode", mode, "--output", folder / "artifacts" / mode, *common] for mode in experiment.MODES]
+    return [*runs, ["LAB_TEST_CHECKPOINT=statistics_twice", "--mode", "every", "--output", folder / "twice", *common]]
+
+
 @pytest.fixture(scope="module")
 def checkpointed_runs(image_data, tmp_path_factory):
-    """The checkpointed pair, and beside it (statistics_twice/every) `every` checkpointed with BatchNorm
-    recomputed as is (tests/inject), in one torchrun start."""
-    artifacts = tmp_path_factory.mktemp("checkpointed") / "artifacts"
-    common = ["--data-dir", image_data, *SMALL_RUN, "--activation-checkpointing", "--quiet"]
-    runs = [["--mode", mode, "--output", artifacts / mode, *common] for mode in experiment.MODES]
-    twice = ["LAB_TEST_CHECKPOINT=statistics_twice", "--mode", "every", "--output", artifacts.parent / "twice", *common]
-    train_in_one_start(artifacts.parent / "logs", *runs, twice)
-    return artifacts
+    folder, _ = module_start(tmp_path_factory, image_data, "checkpointed")
+    return folder / "artifacts"
 
 
 @pytest.mark.torchrun

@@ -20,11 +20,12 @@ from conftest import (
     TEST_IMAGES,
     TIMING,
     assert_ok,
+    module_runs,
+    module_start,
     read_json,
     run_python,
     stderr_lines,
     train,
-    train_in_one_start,
 )
 from ddp_no_sync_lab import files
 from model import CLASSES, CifarCNN, eval_transform
@@ -86,22 +87,30 @@ def test_history_has_the_exact_counts_per_epoch(lab_runs):
             assert row["train_images_per_second"] > 0
 
 
-@pytest.fixture(scope="module")
-def own_runs(image_data, tmp_path_factory):
-    """In one torchrun start: both modes in micro-batches of 20 (one window per epoch), `every` on the shared
-    data's twin with its training labels shuffled, and every as the shared start ran it first, unprofiled."""
-    folder = tmp_path_factory.mktemp("own-runs")
+def write_shuffled_data(folder):
+    """The shared data's twin with its training labels shuffled."""
     shuffled = folder / "shuffled-data"
     synthetic_data.write_dataset(shuffled, "image-folders", SOURCE_IMAGES, TEST_IMAGES)
     files = sorted((shuffled / "train").rglob("*.png"))
     targets = [files[i].parent for i in random.Random(0).sample(range(len(files)), len(files))]
     for index, (path, target) in enumerate(zip(files, targets)):
         path.rename(target / f"shuffled-{index:05d}.png")
+
+
+@module_runs("e2e", prepare=write_shuffled_data)
+def e2e_runs(folder, image_data):
+    """In the session's module start: both modes in micro-batches of 20 (one window per epoch), `every` on the
+    shared data's twin with its training labels shuffled, and every as the shared start ran it first, unprofiled."""
     options = ["--data-dir", image_data, *SMALL_RUN, "--batch-size", "20", "--quiet"]
     one_window = [["--mode", mode, "--output", folder / "one-window" / mode, *options] for mode in MODES]
-    shuffled_run = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", shuffled, *SMALL_RUN, "--quiet"]
+    shuffled = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", folder / "shuffled-data"]
     rerun = ["--mode", "every", "--output", folder / "rerun" / "every", "--data-dir", image_data, *SMALL_RUN]
-    train_in_one_start(folder / "logs", *one_window, shuffled_run, [*rerun, "--quiet"])
+    return [*one_window, [*shuffled, *SMALL_RUN, "--quiet"], [*rerun, "--quiet"]]
+
+
+@pytest.fixture(scope="module")
+def own_runs(image_data, tmp_path_factory):
+    folder, _ = module_start(tmp_path_factory, image_data, "e2e")
     return folder
 
 

@@ -23,11 +23,12 @@ from conftest import (
     assert_ok,
     assert_refused,
     injected,
+    module_runs,
+    module_start,
     read_json,
     run_in_process,
     subprocess_env,
     torchrun,
-    train_in_one_start,
 )
 from ddp_no_sync_lab import experiment, files
 from ddp_no_sync_lab.checks import certify
@@ -37,6 +38,7 @@ from ddp_no_sync_lab.tasks import packed
 
 CHARACTERS = 300
 TEXT_ENV = subprocess_env(LAB_TEST_TEXT_CHARACTERS=str(CHARACTERS))
+TEXT_CORPUS = f"LAB_TEST_TEXT_CHARACTERS={CHARACTERS}"  # the same cut, as one run's own injection
 FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters at every step
 # BF16 autocast, first update (gradients, parameters): the two sides' BF16 products are the same bits only where
 # oneDNN takes the same kernels for both (the EPYC: measured 5e-8); emulated BF16, and the Xeon's AMX, round some of
@@ -48,9 +50,12 @@ BFLOAT16_FIRST_STEP_TOLERANCES = (1e-3, 2**-8)
 
 TEXT_RUN = ["--task", "text", "--device", "cpu", "--quiet"]
 BROKEN_LOSSES = ("padding_in_mean", "one_token_too_many", "first_target_dropped")
-# Pythons whose corpus train.py refuses at start-up (runs of text_runs' start marked REFUSED): none, or another
+# Pythons whose corpus train.py refuses at start-up (REFUSED runs of text_module_runs): none, or another
 # on rank 1 (one document more).
-TEXT_REFUSALS = {"no corpus": "LAB_TEST_TEXT_NO_CORPUS=1", "other corpus": "LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK=1"}
+TEXT_REFUSALS = {
+    "no corpus": ["LAB_TEST_TEXT_NO_CORPUS=1"],
+    "other corpus": [TEXT_CORPUS, "LAB_TEST_TEXT_OTHER_CORPUS_ON_RANK=1"],
+}
 
 
 def text_train(output, mode, *extra, env=TEXT_ENV, launcher=()):
@@ -70,40 +75,37 @@ def small_corpus():
     return source
 
 
-@pytest.fixture(scope="module")
-def text_runs(tmp_path_factory):
-    """Every text run the module reads, in one torchrun start: in documented/, both modes at the text task's
-    documented configuration, per-token normalized, and the same pair at micro-batch normalization; in one-epoch/,
-    a clean `every` run of one epoch, and (in broken/) the no_sync runs whose loss is broken beneath the loop
-    (tests/inject); then the runs TEXT_REFUSALS refuses at start-up (their stderr, by name)."""
-    artifacts = tmp_path_factory.mktemp("text")
-    documented = artifacts / "documented"
+@module_runs("text")
+def text_module_runs(folder, image_data):
+    """Every text run the module reads, in the session's module start, each with the corpus cut (TEXT_CORPUS): in
+    documented/, both modes at the text task's documented configuration, per-token normalized, and the same pair
+    at micro-batch normalization; in one-epoch/, a clean `every` run of one epoch, and (in broken/) the no_sync
+    runs whose loss is broken beneath the loop (tests/inject); then the runs TEXT_REFUSALS refuses at start-up."""
     runs = [
-        [
-            *TEXT_RUN,
-            "--mode",
-            mode,
-            "--output",
-            documented / normalization / mode,
-            "--loss-normalization",
-            normalization,
-        ]
+        [TEXT_CORPUS, *TEXT_RUN, "--mode", mode, "--output", folder / "documented" / normalization / mode]
+        + ["--loss-normalization", normalization]
         for normalization in experiment.LOSS_NORMALIZATIONS
         for mode in experiment.MODES
     ]
-    one_epoch = artifacts / "one-epoch" / "artifacts"
-    runs += [[*TEXT_RUN, "--mode", "every", "--output", one_epoch / "every", "--epochs", "1"]]
+    one_epoch = folder / "one-epoch" / "artifacts"
+    runs += [[TEXT_CORPUS, *TEXT_RUN, "--mode", "every", "--output", one_epoch / "every", "--epochs", "1"]]
     runs += [
-        [f"LAB_TEST_TEXT_LOSS={broken}", *TEXT_RUN, "--mode", "no_sync", "--epochs", "1"]
+        [TEXT_CORPUS, f"LAB_TEST_TEXT_LOSS={broken}", *TEXT_RUN, "--mode", "no_sync", "--epochs", "1"]
         + ["--output", one_epoch.parent / "broken" / broken / "no_sync"]
         for broken in BROKEN_LOSSES
     ]
-    runs += [
-        [REFUSED, injection, *TEXT_RUN, "--mode", "every", "--output", artifacts / "refused" / name]
-        for name, injection in TEXT_REFUSALS.items()
+    return runs + [
+        [REFUSED, *injections, *TEXT_RUN, "--mode", "every", "--output", folder / "refused" / name]
+        for name, injections in TEXT_REFUSALS.items()
     ]
-    outputs = train_in_one_start(artifacts / "logs", *runs, env=TEXT_ENV)
-    return documented, one_epoch, {name: output.stderr for name, output in zip(TEXT_REFUSALS, outputs[-2:])}
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory, image_data):
+    """The documented runs' folder, the one-epoch run's, and each refusal's stderr by name."""
+    folder, outputs = module_start(tmp_path_factory, image_data, "text")
+    refused = {name: output.stderr for name, output in zip(TEXT_REFUSALS, outputs[-len(TEXT_REFUSALS) :])}
+    return folder / "documented", folder / "one-epoch" / "artifacts", refused
 
 
 @pytest.fixture(scope="module")

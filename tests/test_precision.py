@@ -10,11 +10,12 @@ import torch
 from conftest import (
     assert_one_line_error,
     injected,
+    module_runs,
+    module_start,
     read_json,
     run_in_process,
     run_python,
     subprocess_env,
-    train_in_one_start,
     verify,
 )
 from ddp_no_sync_lab import precision
@@ -100,26 +101,34 @@ def test_verify_prints_the_precision(lab_runs):
     assert f"  precision {config['precision']} on {config['hardware'][0]}" in result.stdout
 
 
-@pytest.mark.torchrun
-def test_verify_refuses_runs_of_different_precision(tmp_path):
-    """every in float32 and no_sync in BF16 on a tiny dataset (BF16 is emulated on CPUs without BF16
-    instructions, 13x slower): both pass alone, and verify.py refuses the pair, naming the precision."""
-    data = tmp_path / "data"
-    synthetic_data.write_dataset(data, "image-folders", 100, 20)
+# every in float32 and no_sync in BF16 on a tiny dataset (BF16 is emulated on CPUs without BF16 instructions, 13x
+# slower).
+MIXED_PRECISIONS = {"every": "fp32", "no_sync": "bf16"}
+
+
+def write_tiny_data(folder):
+    synthetic_data.write_dataset(folder / "data", "image-folders", 100, 20)
+
+
+@module_runs("precision", prepare=write_tiny_data)
+def mixed_precision_runs(folder, image_data):
+    """Each mode in its precision of MIXED_PRECISIONS, on the tiny data, in the session's module start."""
     tiny = ["--batch-size", "10", "--accum-steps", "2", "--epochs", "1", "--device", "cpu", "--quiet"]
-    runs = {mode: chosen for mode, chosen in (("every", "fp32"), ("no_sync", "bf16"))}
-    outputs = {mode: tmp_path / "artifacts" / mode for mode in runs}
-    train_in_one_start(
-        tmp_path / "logs",
-        *(
-            ["--mode", mode, "--output", outputs[mode], "--data-dir", data, "--precision", runs[mode], *tiny]
-            for mode in runs
-        ),
-    )
-    for mode, chosen in runs.items():
-        assert read_json(outputs[mode] / "run.json")["config"]["precision"] == chosen
+    return [
+        ["--mode", mode, "--output", folder / "artifacts" / mode, "--data-dir", folder / "data", "--precision", chosen]
+        + tiny
+        for mode, chosen in MIXED_PRECISIONS.items()
+    ]
+
+
+@pytest.mark.torchrun
+def test_verify_refuses_runs_of_different_precision(tmp_path_factory, image_data):
+    """Both runs of MIXED_PRECISIONS pass alone, and verify.py refuses the pair, naming the precision."""
+    folder, _ = module_start(tmp_path_factory, image_data, "precision")
+    for mode, chosen in MIXED_PRECISIONS.items():
+        assert read_json(folder / "artifacts" / mode / "run.json")["config"]["precision"] == chosen
     line = assert_one_line_error(
-        verify(tmp_path / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
+        verify(folder / "artifacts"), "come from different configurations", "precision: 'fp32' vs 'bf16'", code=1
     )
     assert "rerun both modes with the same settings" in line
 

@@ -126,28 +126,15 @@ def test_sigterm_stops_every_rank_at_a_window_end_with_its_state_saved(preempted
     assert not output.exists()
 
 
-@pytest.mark.torchrun
-def test_resume_finishes_the_preempted_run_bit_for_bit(preempted, uninterrupted, image_data, tmp_path):
-    output, _, _, _ = preempted
-    copy = tmp_path / "artifacts" / "no_sync"
-    shutil.copytree(output.parent, copy.parent, dirs_exist_ok=True)
-    result = assert_ok(train(image_data, copy, "no_sync", "--resume", "--quiet"))
-    assert "train.py: resuming run" in result.stderr
-    history = same_run(uninterrupted / "no_sync", copy)
-    assert [row["resumed_at"] for row in history] == [[], [8]]
-    shutil.copytree(uninterrupted / "every", copy.parent / "every")
-    assert verify(copy.parent).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def preempted_copies(preempted, image_data, tmp_path_factory):
-    """Three copies of the preempted run's output, started again in one torchrun start: two whose newest saved state
-    is damaged (cut short; its last byte altered), each refused with --resume; one started without --resume. Each
-    copy's output, its unfinished run's folder, and its run's output, by name."""
+    """Four copies of the preempted run's output, started again in one torchrun start: two whose newest saved state
+    is damaged (cut short; its last byte altered), each refused with --resume; one resumed; one started without
+    --resume. Each copy's output, its unfinished run's folder, and its run's output, by name."""
     output, _, _, _ = preempted
     root = tmp_path_factory.mktemp("preempted-copies")
     copies = {}
-    for name in ("truncated", "altered", "restarted"):
+    for name in ("truncated", "altered", "resumed", "restarted"):
         shutil.copytree(output.parent, root / name)
         (partial,) = files.unfinished_runs(root / name / "no_sync")
         copies[name] = (root / name / "no_sync", partial)
@@ -160,9 +147,20 @@ def preempted_copies(preempted, image_data, tmp_path_factory):
         )
     common = ["--mode", "no_sync", "--data-dir", image_data, *SMALL_RUN, "--quiet"]
     runs = [[REFUSED, *common, "--output", copies[damage][0], "--resume"] for damage in ("truncated", "altered")]
+    runs.append([*common, "--output", copies["resumed"][0], "--resume"])
     runs.append([*common, "--output", copies["restarted"][0], "--epochs", "1"])
     outputs = train_in_one_start(root / "logs", *runs)
     return {name: (*copies[name], result) for name, result in zip(copies, outputs)}
+
+
+@pytest.mark.torchrun
+def test_resume_finishes_the_preempted_run_bit_for_bit(preempted_copies, uninterrupted):
+    copy, _, result = preempted_copies["resumed"]
+    assert "train.py: resuming run" in result.stderr
+    history = same_run(uninterrupted / "no_sync", copy)
+    assert [row["resumed_at"] for row in history] == [[], [8]]
+    shutil.copytree(uninterrupted / "every", copy.parent / "every")
+    assert verify(copy.parent).returncode == 0
 
 
 @pytest.mark.torchrun

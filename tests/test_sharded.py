@@ -19,11 +19,12 @@ from conftest import (
     assert_ok,
     assert_one_line_error,
     copy_runs,
+    module_runs,
+    module_start,
     read_json,
     run_in_process,
     run_python,
     torchrun,
-    train_in_one_start,
     verify,
 )
 from ddp_no_sync_lab import experiment
@@ -59,18 +60,22 @@ def test_both_wrappers_offer_the_surface_train_py_asks_of_a_strategy(one_process
     }
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory, image_data):
-    """The fsdp pair, and beside it (in broken/) a run of each mode with FSDP broken beneath the lab, in one start."""
-    artifacts = tmp_path_factory.mktemp("fsdp") / "artifacts"
+@module_runs("fsdp")
+def fsdp_pair_runs(folder, image_data):
+    """The fsdp pair (in artifacts/), and beside it (in broken/) a run of each mode with FSDP broken beneath the lab,
+    in the session's module start."""
     common = ["--data-dir", image_data, *SMALL_RUN, *FSDP, "--quiet"]
-    runs = [["--mode", mode, "--output", artifacts / mode, *common, *PROFILED] for mode in experiment.MODES]
-    runs += [
-        [f"LAB_TEST_FSDP={broken}", "--mode", mode, "--output", artifacts.parent / "broken" / broken / mode, *common]
+    runs = [["--mode", mode, "--output", folder / "artifacts" / mode, *common, *PROFILED] for mode in experiment.MODES]
+    return runs + [
+        [f"LAB_TEST_FSDP={broken}", "--mode", mode, "--output", folder / "broken" / broken / mode, *common]
         for broken, mode in BROKEN_BENEATH
     ]
-    train_in_one_start(artifacts.parent / "logs", *runs)
-    return artifacts
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, image_data):
+    folder, _ = module_start(tmp_path_factory, image_data, "fsdp")
+    return folder / "artifacts"
 
 
 def test_the_units_and_their_padded_sizes():

@@ -21,11 +21,12 @@ from conftest import (
     SMALL_RUN,
     assert_one_line_error,
     copy_runs,
+    module_runs,
+    module_start,
     png_header_only,
     read_json,
     run_in_process,
     subprocess_env,
-    train_in_one_start,
     verify,
     write_png_with_a_damaged_chunk,
 )
@@ -333,7 +334,7 @@ def test_positions_that_are_not_runs_of_micro_batches(runs, positions):
     assert_one_line_error(audit(runs), "epoch row 1: optimizer_step_positions must be [start, stop, step] runs", code=1)
 
 
-# The shared experiment's runs with the loop broken beneath train.py (tests/inject), trained in one torchrun start:
+# The shared experiment's runs with the loop broken beneath train.py (tests/inject), trained in the session's module start:
 # each broken loop's no_sync, and a drift on one rank in `every`.
 BROKEN = {
     "sync_first": ["LAB_TEST_BROKEN_LOOP=sync_first", "--mode", "no_sync"],
@@ -343,15 +344,18 @@ BROKEN = {
 }
 
 
-@pytest.fixture(scope="module")
-def broken_runs(tmp_path_factory, image_data):
-    out = tmp_path_factory.mktemp("broken")
-    runs = [
-        [*words, "--output", out / name / words[-1], "--data-dir", image_data, *SMALL_RUN, "--quiet"]
+@module_runs("broken")
+def broken_loop_runs(folder, image_data):
+    return [
+        [*words, "--output", folder / name / words[-1], "--data-dir", image_data, *SMALL_RUN, "--quiet"]
         for name, words in BROKEN.items()
     ]
-    train_in_one_start(out / "logs", *runs)
-    return out
+
+
+@pytest.fixture(scope="module")
+def broken_runs(tmp_path_factory, image_data):
+    folder, _ = module_start(tmp_path_factory, image_data, "broken")
+    return folder
 
 
 @pytest.mark.torchrun

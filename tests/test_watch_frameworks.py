@@ -192,13 +192,13 @@ def test_a_sampler_epoch_the_framework_sets_is_credited_to_it_not_to_the_script(
 @pytest.mark.torchrun  # Lightning's own launcher starts the second rank
 def test_lightning_started_by_plain_python_is_refused_in_one_line_naming_torchrun(tmp_path):
     command = [sys.executable, "-m", "ddp_no_sync_lab.watch", str(LOOPS / "lightning_loop.py")]
-    env = subprocess_env(LAB_TEST_WATCH_HANDSHAKE_SECONDS="5")  # the watcher's 20 s bound, shorter: its line names it
+    env = subprocess_env(LAB_TEST_WATCH_HANDSHAKE_SECONDS="2")  # the watcher's 20 s bound, shorter: its line names it
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("python -m ddp_no_sync_lab.watch")]
     assert lines == [
         "python -m ddp_no_sync_lab.watch: error: the script made a model over 2 ranks, and the others did not answer "
-        "the watcher in 5 s: the script started them itself (as Lightning does under plain python), without the "
+        "the watcher in 2 s: the script started them itself (as Lightning does under plain python), without the "
         "watcher: launch it with torchrun --nproc-per-node=2 -m ddp_no_sync_lab.watch SCRIPT (DistStoreError)"
     ]
     assert "AUDIT" not in result.stdout
