@@ -252,14 +252,6 @@ def runs_outputs(logs, runs):
     ]
 
 
-def train_pair(data_dir, artifacts, *extra, env=None):
-    """Both modes, as train() trains each, into artifacts/every and artifacts/no_sync, in one torchrun start."""
-    runs = [
-        ["--mode", mode, "--output", artifacts / mode, "--data-dir", data_dir, *SMALL_RUN, *extra] for mode in MODES
-    ]
-    return train_in_one_start(artifacts.parent / f"{artifacts.name}-logs", *runs, env=env)
-
-
 def assert_ok(result):
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result

@@ -10,12 +10,14 @@ from PIL import Image
 from torchvision.datasets import CIFAR10
 
 from conftest import (
+    MODES,
+    SMALL_RUN,
     SOURCE_IMAGES,
     TEST_IMAGES,
     assert_refused,
     md5_sums,
-    subprocess_env,
-    train_pair,
+    module_runs,
+    module_start,
     verify,
     write_png_with_a_damaged_chunk,
 )
@@ -146,17 +148,31 @@ def test_train_py_says_how_to_provide_cifar10_when_the_download_fails(shared_ref
     assert "image-folder tree" in line and "cifar-10-python.tar.gz" in line
 
 
+def write_torchvision_layout(folder):
+    synthetic_data.write_dataset(folder / "cifar", "torchvision", SOURCE_IMAGES, TEST_IMAGES)
+
+
+@module_runs("torchvision-layout", prepare=write_torchvision_layout)
+def torchvision_layout_runs(folder, image_data):
+    """Both modes for one epoch on CIFAR-10 in torchvision's own format (pickled batches), its md5 sums the
+    synthetic files' own (tests/inject), in the session's module start."""
+    sums = f"LAB_TEST_CIFAR_MD5={json.dumps(md5_sums(folder / 'cifar' / data.TORCHVISION_FOLDER))}"
+    return [
+        [sums, "--mode", mode, "--output", folder / "artifacts" / mode, "--data-dir", folder / "cifar", *SMALL_RUN]
+        + ["--epochs", "1", "--quiet"]
+        for mode in MODES
+    ]
+
+
 @pytest.mark.torchrun
-def test_torchvision_layout_end_to_end_counts(tmp_path):
-    """train.py on CIFAR-10 in torchvision's own format (pickled batches), both modes, audited."""
-    synthetic_data.write_dataset(tmp_path / "cifar", "torchvision", SOURCE_IMAGES, TEST_IMAGES)
-    env = subprocess_env(LAB_TEST_CIFAR_MD5=json.dumps(md5_sums(tmp_path / "cifar" / data.TORCHVISION_FOLDER)))
-    results = train_pair(tmp_path / "cifar", tmp_path / "artifacts", "--epochs", "1", "--quiet", env=env)
+def test_torchvision_layout_end_to_end_counts(tmp_path_factory, image_data):
+    """train.py on CIFAR-10 in torchvision's own format, both modes, audited."""
+    folder, results = module_start(tmp_path_factory, image_data, "torchvision-layout")
     for syncs, result in zip((20, 5), results):
         row = json.loads(result.stdout.splitlines()[0])
         assert (row["optimizer_steps"], row["gradient_syncs"]) == (5, syncs)
-    report = json.loads((tmp_path / "artifacts" / "every" / "report.json").read_text())
+    report = json.loads((folder / "artifacts" / "every" / "report.json").read_text())
     assert report["config"]["data_layout"] == "torchvision"
-    audit = verify(tmp_path / "artifacts")
+    audit = verify(folder / "artifacts")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines()[-1] == "AUDIT PASSED: no_sync reduced gradient synchronizations by 4x"
