@@ -528,6 +528,27 @@ def module_start(tmp_path_factory, image_data, name):
     return folder / name, {module: [next(outputs) for _ in runs] for module, runs in modules.items()}[name]
 
 
+# The worker scripts whose results tests read (test_equivalence.py, test_packed.py, test_comm_audit.py), run in one
+# torchrun start for the session (tests/workers/several_workers.py).
+SHARED_WORKERS = ("equivalence.py", "text_equivalence.py", "comm_audit.py")
+
+
+@pytest.fixture(scope="session")
+def worker_results(tmp_path_factory):
+    """Each of SHARED_WORKERS' result by script: the JSON of rank 0's last line. Run once, whichever worker asks
+    first."""
+
+    def run_all(folder):
+        scripts = [WORKERS / script for script in SHARED_WORKERS]
+        assert_ok(torchrun(WORKERS.relative_to(REPO) / "several_workers.py", folder, *scripts))
+
+    folder = made_once(tmp_path_factory, "worker-results", run_all)
+    return {
+        script: json.loads((folder / f"{script}.rank0.stdout").read_text().strip().splitlines()[-1])
+        for script in SHARED_WORKERS
+    }
+
+
 def assert_refused(stderr, *fragments):
     """A run of train.py refused at start-up (read from a REFUSED run's log): one line holding every fragment, the
     only error, no traceback."""

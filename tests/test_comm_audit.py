@@ -1,7 +1,6 @@
 """The audit counts what really crosses between the ranks: checked against the PyTorch profiler's record of
 the c10d collectives, and against the counts ddp_no_sync_lab/experiment.py derives from the configuration and the model."""
 
-import json
 import threading
 import time
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 import train
-from conftest import WORKERS, assert_ok, torchrun
 from ddp_no_sync_lab import cli, experiment
 from ddp_no_sync_lab.audit import instruments
 from ddp_no_sync_lab.strategies import ddp
@@ -22,9 +20,8 @@ EVALUATION_ALLREDUCES = 2  # evaluate() all-reduces its loss/count totals and it
 
 
 @pytest.fixture(scope="module")
-def measured():
-    result = assert_ok(torchrun(WORKERS.relative_to(WORKERS.parents[1]) / "comm_audit.py"))
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def measured(worker_results):
+    return worker_results["comm_audit.py"]
 
 
 @pytest.fixture(scope="module")

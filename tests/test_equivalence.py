@@ -22,11 +22,7 @@ Gradients are compared as well as parameters because AdamW is almost blind to th
 parameters alone would hardly show losses left undivided by accum_steps.
 """
 
-import json
-
 import pytest
-
-from conftest import WORKERS, assert_ok, torchrun
 
 FLOAT64_TOLERANCE = 1e-12  # relative L2 difference of gradients and parameters, every step
 FLOAT32_FIRST_STEP_TOLERANCE = 1e-5  # the same, first update, float32 against the plain sum
@@ -36,9 +32,8 @@ MODES = ("every", "no_sync")
 
 
 @pytest.fixture(scope="module")
-def results():
-    result = assert_ok(torchrun(WORKERS.relative_to(WORKERS.parents[1]) / "equivalence.py"))
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def results(worker_results):
+    return worker_results["equivalence.py"]
 
 
 def agrees(variant, tolerance, steps=None):

@@ -8,7 +8,6 @@ uses real packed rows of the whole corpus.
 """
 
 import dataclasses
-import json
 import math
 import shutil
 
@@ -19,7 +18,6 @@ from torch.utils.data.distributed import DistributedSampler
 import train
 from conftest import (
     REFUSED,
-    WORKERS,
     assert_ok,
     assert_refused,
     injected,
@@ -160,11 +158,10 @@ def test_the_split_is_by_document_and_seeded():
 
 
 @pytest.mark.torchrun
-def test_every_and_no_sync_equal_one_process_over_the_windows_tokens():
+def test_every_and_no_sync_equal_one_process_over_the_windows_tokens(worker_results):
     """float64: every step within 1e-12 of the one-process reference (measured about 5e-15); micro-batch
     normalization and a per-rank token normalization are off by far more; BF16 autocast: the first update."""
-    result = assert_ok(torchrun(WORKERS.relative_to(WORKERS.parents[1]) / "text_equivalence.py"))
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results = worker_results["text_equivalence.py"]
     assert min(results["row_tokens"]) < 10 and max(results["row_tokens"]) == packed.ROW_LENGTH
     exact = results["float64"]
     for mode, syncs in (("every", 5), ("no_sync", 2)):

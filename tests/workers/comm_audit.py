@@ -1,4 +1,5 @@
-"""Started by tests/test_comm_audit.py under torchrun (2 ranks, gloo, CPU).
+"""For tests/test_comm_audit.py, under torchrun (2 ranks, gloo, CPU): alone, or in the session's one start of
+conftest.SHARED_WORKERS (tests/workers/several_workers.py).
 
 Runs two epochs of the lab's loop and evaluation per DDP setting (the documented one, then each of train.py's
 levers alone) and mode under the PyTorch profiler and prints (rank 0) one JSON object: per setting, mode and

@@ -1,4 +1,5 @@
-"""Started by tests/test_equivalence.py under torchrun (2 ranks, gloo, CPU).
+"""For tests/test_equivalence.py, under torchrun (2 ranks, gloo, CPU): alone, or in the session's one start of
+conftest.SHARED_WORKERS (tests/workers/several_workers.py).
 
 Trains a few optimizer steps with the lab's own loop (train.train_epoch, train.wrap_model: DDP with the
 counting hook) in `every` and `no_sync` mode, and in one process that runs both ranks' micro-batches in order
@@ -264,6 +265,7 @@ def main():
         ("bfloat16_autocast", torch.float32, bfloat16_autocast, cases[:1]),
     )
     results = {}
+    full_windows = {}  # per precision: the full windows' data, plan, reference and each mode's record
     for name, dtype, autocast, precision_cases in precisions:
         hook_data = dataset(1, world_size, dtype)
         results[name] = {
@@ -280,29 +282,30 @@ def main():
                 else {"every": (plan, "every"), "no_sync": (plan, "no_sync")}
             )
             results[name][case] = {}
+            if case == "full_windows":
+                full_windows[name] = (data, plan, reference, {})
             for variant, (variant_plan, mode) in chosen.items():
                 record = ddp_run(initial_state, data, variant_plan, mode, rank, world_size, dtype, autocast)
                 results[name][case][variant] = compare(record, reference)
+                if case == "full_windows" and variant in experiment.MODES:
+                    full_windows[name][3][variant] = record
                 if variant in experiment.MODES and name == "float32":  # the same mean, summed in the mode's order
                     same_order = reference_run(initial_state, data, world_size, dtype, mode, autocast)
                     results[name][case][f"{variant}_vs_same_order"] = compare(record, same_order)
                 if variant == "no_sync" and name == "float32" and case == "full_windows":
                     idiom = nanogpt_idiom_run(initial_state, data, rank, world_size, dtype)
                     results[name][case]["nanogpt_idiom_vs_no_sync"] = compare(idiom, record)
-    # FSDP (--strategy fsdp): both modes against the same reference; in float32 against DDP in the same mode, and
-    # FSDP's own reduction (the lab's correction undone).
+    # FSDP (--strategy fsdp) on the full windows: both modes against the same reference; in float32 against DDP in
+    # the same mode, and FSDP's own reduction (the lab's correction undone).
     for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
-        data = dataset(12, world_size, dtype)
-        plan = experiment.window_plan(12, ACCUM, "error")
-        reference = reference_run(initial_state, data, world_size, dtype, "one_sum", nullcontext)
+        data, plan, reference, ddp_records = full_windows[name]
         fsdp_records = {
             mode: fsdp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
             for mode in experiment.MODES
         }
         results[name]["fsdp"] = {mode: compare(record, reference) for mode, record in fsdp_records.items()}
         for mode in experiment.MODES if name == "float32" else ():
-            ddp = ddp_run(initial_state, data, plan, mode, rank, world_size, dtype, nullcontext)
-            results[name]["fsdp"][f"{mode}_vs_ddp"] = compare(fsdp_records[mode], ddp)
+            results[name]["fsdp"][f"{mode}_vs_ddp"] = compare(fsdp_records[mode], ddp_records[mode])
         if name == "float32":  # FSDP hands gloo ReduceOp.AVG for float32 and BF16 gradients (float64: SUM, divided)
             uncorrected = fsdp_run(initial_state, data, plan, "no_sync", rank, world_size, dtype, nullcontext, False)
             results[name]["fsdp"]["broken_uncorrected_reduction"] = compare(uncorrected, reference)

@@ -1,4 +1,5 @@
-"""Started by tests/test_packed.py under torchrun (2 ranks, gloo, CPU).
+"""For tests/test_packed.py, under torchrun (2 ranks, gloo, CPU): alone, or in the session's one start of
+conftest.SHARED_WORKERS (tests/workers/several_workers.py).
 
 The text task's proof: with the lab's own loop (train.train_epoch, train.wrap_model) and its per-token divisors
 (packed.loss_plan), `every` and `no_sync` make the same updates as one process that takes each window's rows of
