@@ -26,6 +26,7 @@ from conftest import (
     TIMING,
     assert_ok,
     assert_train_error,
+    injected,
     read_json,
     runs_worker_arguments,
     starting_torchrun,
@@ -107,8 +108,9 @@ def same_run(mode, extra=()):
 @pytest.fixture(scope="module")
 def node_start(tmp_path_factory, image_data):
     """One two-node start: both modes, profiled as the one-node runs; a run on one data folder both nodes share,
-    without its decode cache, each decode counted in decodes.log; then NODE_REFUSALS' runs, one after the other.
-    Each node's folder and its stderr of each run: [node][run]."""
+    without its decode cache, each decode counted in decodes.log; both modes for one epoch in threads/, node 1's
+    on 2 threads; then NODE_REFUSALS' runs, one after the other. Each node's folder and its stderr of each run:
+    [node][run]."""
     root = tmp_path_factory.mktemp("nodes")
     node0, node1 = node_folders(root, image_data)
     for folder in (node0, node1):
@@ -121,7 +123,8 @@ def node_start(tmp_path_factory, image_data):
     shared_data[shared_data.index("--output") + 1] = "artifacts/shared-data"
     shared_data.append(f"LAB_TEST_COUNT_DECODES={root / 'decodes.log'}")
     pair = [same_run(mode, PROFILED)[0] for mode in MODES]
-    runs = [[*pair, shared_data], [*pair, shared_data]]
+    threads = [same_run(mode, ["--epochs", "1", "--output", f"threads/{mode}"])[0] for mode in MODES]
+    runs = [[*pair, shared_data, *threads], [*pair, shared_data, *(["LAB_TEST_THREADS=2", *run] for run in threads)]]
     for name, (node0_words, node1_words, both, _) in NODE_REFUSALS.items():
         args, _ = same_run("every", both)
         args[args.index("--output") + 1] = f"artifacts/{name.replace(' ', '-')}"
@@ -317,19 +320,24 @@ def test_a_rank_killed_on_one_node_ends_the_other_node_quickly(tmp_path, image_d
 
 
 @pytest.mark.torchrun
-def test_nodes_with_different_thread_counts_pass_the_audit(tmp_path, image_data):
-    """One process per node leaves the thread count to the node: 1 here, 2 there. Their sums differ in the last
-    bits; the step fingerprints (exact integer sums of the values' bits) do not, and verify.py passes both modes
-    (one epoch each: every step is compared)."""
-    node0, node1 = node_folders(tmp_path, image_data)
-    threads = ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"})
-    runs = [same_run(mode, ["--epochs", "1"])[0] for mode in MODES]
-    two_nodes_in_one_start([node0, node1], tmp_path / "logs", [runs, runs], node_env=threads)
-    result = verify(node0 / "artifacts")
+def test_nodes_with_different_thread_counts_pass_the_audit(node_start):
+    """One process per node leaves the thread count to the node: 1 here, 2 there (the module start's threads/
+    runs). Their sums differ in the last bits; the step fingerprints (exact integer sums of the values' bits) do
+    not, and verify.py passes both modes (one epoch each: every step is compared)."""
+    (node0, _), _ = node_start
+    result = verify(node0 / "threads")
     assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("every", "no_sync"):
-        rows = read_json(node0 / "artifacts" / mode / "history.json")
+        rows = read_json(node0 / "threads" / mode / "history.json")
         assert [row["steps_with_ranks_agreed"] for row in rows] == [row["optimizer_steps"] for row in rows]
+
+
+def test_a_runs_own_thread_count_is_put_back_after_it():
+    """LAB_TEST_THREADS (node 1's thread count in the module start's threads/ runs) holds for its run alone."""
+    before = torch.get_num_threads()
+    with injected(LAB_TEST_THREADS=str(before + 1)):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
 
 
 def test_the_code_every_node_must_share_is_every_python_file_of_the_package_in_its_subfolders_too(

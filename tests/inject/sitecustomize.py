@@ -33,6 +33,8 @@ LAB_TEST_HANG_IN_TEARDOWN (a number of seconds): closing the process groups hang
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
 LAB_TEST_CPU_BF16 (0 or 1): LAB_CPU_BF16 set to it, for one run of tests/workers/runs.py as its own process would
   have it (the precision `auto` takes decided as on a CPU with or without BF16 instructions).
+LAB_TEST_THREADS (a number): torch's intra-op threads for one run of tests/workers/runs.py, as OMP_NUM_THREADS
+  would start its process with them.
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: torchrun's
   TORCHELASTIC_RESTART_COUNT; "-" for none): the process that reaches the point ends at once by SIGKILL, as a
@@ -60,6 +62,7 @@ LAB_TEST_WATCH_HANDSHAKE_SECONDS (a number): the watcher waits that long, not 20
   start (the test of Lightning under plain python waits on it; the watcher's line names the bound it waited).
 """
 
+import functools
 import json
 import os
 import sys
@@ -85,8 +88,12 @@ def patch(owner, name, value):
 
 
 def undo(keep=0):
-    """The patches after the first `keep` put back, newest first (tests/workers/runs.py: one run's own)."""
+    """The patches after the first `keep` put back, newest first (tests/workers/runs.py: one run's own); a patch
+    that is a call (a setting torch keeps inside) is put back by the call PATCHED holds."""
     while len(PATCHED) > keep:
+        if callable(PATCHED[-1]):
+            PATCHED.pop()()
+            continue
         owner, name, held = PATCHED.pop()
         if held is ABSENT:
             del owner[name]
@@ -348,6 +355,12 @@ def inject(variables):
         from ddp_no_sync_lab.watch import observe
 
         patch(observe, "HANDSHAKE_TIMEOUT", timedelta(seconds=int(variables["LAB_TEST_WATCH_HANDSHAKE_SECONDS"])))
+
+    if variables.get("LAB_TEST_THREADS"):
+        import torch
+
+        PATCHED.append(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+        torch.set_num_threads(int(variables["LAB_TEST_THREADS"]))
 
     if variables.get("LAB_TEST_CPU_BF16"):
         patch(os.environ, "LAB_CPU_BF16", variables["LAB_TEST_CPU_BF16"])
