@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, SMALL_RUN, TORCHRUN, WORKERS, run_python, subprocess_env, torchrun, verify
 from test_nodes import finish, start_nodes
+from tools import synthetic_data
 
 PLAIN, NANOGPT = REPO / "tests" / "loops" / "plain_ddp.py", REPO / "tests" / "loops" / "nanogpt_style.py"
 PLAIN_CASES = (
@@ -149,8 +150,10 @@ FOUND = {
         "each window's last micro-batch synchronized: the ranks' mean, at 4 steps",
     ],
 }
-# The lab's own train.py under the watcher (the shared experiment's size): both modes, and its loop broken beneath
-# it (tests/inject/sitecustomize.py's LAB_TEST_BROKEN_LOOP), each refused at the item its mistake breaks.
+# The lab's own train.py under the watcher (the shared experiment's runs on LAB_IMAGES, 3 windows per rank and
+# epoch): both modes, and its loop broken beneath it (tests/inject/sitecustomize.py's LAB_TEST_BROKEN_LOOP), each
+# refused at the item its mistake breaks.
+LAB_IMAGES = (120, 40)
 LAB_BROKEN = {
     "sync_first": (
         5,
@@ -158,7 +161,7 @@ LAB_BROKEN = {
     ),
     "step_inside": (
         7,
-        "rank 0, window 6, micro-batch 4 of 4: its backward started on reset gradients inside a window",
+        "rank 0, window 4, micro-batch 4 of 4: its backward started on reset gradients inside a window",
     ),
     "backward_only_in_no_sync": (
         5,
@@ -175,7 +178,7 @@ NO_DDP = "import sys\n\nprint(sys.argv[1:], sys.path[0])\n"
 
 
 @pytest.fixture(scope="module")
-def watched(tmp_path_factory, image_data):
+def watched(tmp_path_factory):
     """Every case's [rank 0's, rank 1's] {status, stdout, stderr}, all run in one torchrun start."""
     folder = tmp_path_factory.mktemp("watched")
     scripts = folder / "scripts"
@@ -190,7 +193,8 @@ def watched(tmp_path_factory, image_data):
     cases += [["raises", scripts / "raises.py"], ["exits", scripts / "exits.py"]]
     cases += [["torn_down_failing", scripts / "torn_down_failing.py"]]
     cases += [["no_ddp", scripts / "no_ddp.py", "an argument", "--", "--an-option"]]
-    lab = [REPO / "train.py", "--data-dir", image_data, *SMALL_RUN, "--quiet", "--output"]
+    synthetic_data.write_dataset(folder / "data", "image-folders", *LAB_IMAGES)
+    lab = [REPO / "train.py", "--data-dir", folder / "data", *SMALL_RUN, "--quiet", "--output"]
     cases += [[f"lab_{mode}", *lab, folder / "lab" / mode, "--mode", mode] for mode in ("every", "no_sync")]
     cases += [
         [f"LAB_TEST_BROKEN_LOOP={broken}", f"lab_{broken}", *lab, folder / broken, "--mode", "no_sync"]
@@ -253,7 +257,7 @@ def test_each_mistake_is_refused_naming_its_item_beside_its_correct_twin(watched
 
 @pytest.mark.torchrun
 def test_the_labs_own_train_py_passes_the_watcher_and_verify_alike(watched):
-    for mode, syncs in (("every", 40), ("no_sync", 10)):
+    for mode, syncs in (("every", 24), ("no_sync", 6)):
         rank0, rank1 = watched[f"lab_{mode}"]
         assert (rank0["status"], rank1["status"]) == (0, 0), rank0["stderr"][-2000:]
         assert last_line(rank0) == "AUDIT PASSED"
