@@ -149,23 +149,23 @@ def pytest_configure(config):
 # order as it runs out of tests, so that the long files start first and the two workers end together; the files
 # not named follow in their own order.
 LONGEST_FIRST = (
-    "test_resume.py",  # 132
-    "test_packed.py",  # 119
-    "test_watch.py",  # 115
-    "test_nodes.py",  # 70
-    "test_checklist.py",  # 74
-    "test_sharded.py",  # 55
-    "test_bench_network.py",  # 50 (and its waits)
-    "test_watch_frameworks.py",  # 30 (and 5 s of a wait)
-    "test_audit_holes.py",  # 46
-    "test_ddp_settings.py",  # 45
-    "test_equivalence.py",  # 43
-    "test_e2e.py",  # 42
-    "test_faults.py",  # 39
-    "test_comm_audit.py",  # 30
-    "test_checkpointing.py",  # 30
-    "test_bench_speed.py",  # 29
-    "test_verify.py",  # 28
+    "test_packed.py",
+    "test_resume.py",
+    "test_watch.py",
+    "test_nodes.py",
+    "test_checklist.py",
+    "test_bench_network.py",
+    "test_watch_frameworks.py",
+    "test_bench_speed.py",
+    "test_ddp_settings.py",
+    "test_faults.py",
+    "test_tools.py",
+    "test_e2e.py",
+    "test_sharded.py",
+    "test_audit_holes.py",
+    "test_checkpointing.py",
+    "test_face.py",
+    "test_verify.py",
 )
 
 
@@ -233,10 +233,10 @@ def runs_worker_arguments(logs, runs):
     return [logs, *(argument for run in runs for argument in ("--", *map(str, run)))]
 
 
-def train_in_one_start(logs, *runs, env=None):
+def train_in_one_start(logs, *runs, env=None, timeout=600):
     """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
     start's cost for all. Returns each run's output as a finished process's: every rank's, rank 0's first."""
-    assert_ok(torchrun(RUNS_WORKER, *runs_worker_arguments(logs, runs), env=env))
+    assert_ok(torchrun(RUNS_WORKER, *runs_worker_arguments(logs, runs), env=env, timeout=timeout))
     return runs_outputs(logs, runs)
 
 
@@ -333,7 +333,8 @@ def read_json(path):
 def made_once(tmp_path_factory, name, make):
     """The folder `name`, made by make(folder) once for the whole session, however many pytest-xdist workers
     run it: the first to ask makes it under a lock, the others wait for it there and read what it made (a
-    make that failed fails them at once, with its error). Made, it is only read: a test that writes copies it."""
+    make that failed fails them at once, with its error). Made, what several modules read is only read: a test
+    that writes copies it."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's folder, above each worker's own
@@ -493,6 +494,15 @@ def pil_run(tmp_path_factory, image_data):
 # The runs that test modules train in the session's module start, by module: each registered at import by
 # module_runs (collection imports every module, in one order, in each pytest-xdist worker).
 MODULE_RUNS = {}
+MODULE_START_TIMEOUT = 1200  # against a hang: at least 5x the start's 210 s on the EPYC as AVX2
+
+
+def pytest_collection_finish(session):
+    """The module start trains the runs of the modules whose tests the session selected, no others (the same
+    selection in every worker)."""
+    selected = {item.module.__name__ for item in session.items}
+    for name in [name for name, (runs, _) in MODULE_RUNS.items() if runs.__module__ not in selected]:
+        del MODULE_RUNS[name]
 
 
 def module_runs(name, prepare=None):
@@ -508,9 +518,11 @@ def module_runs(name, prepare=None):
 
 
 def module_start(tmp_path_factory, image_data, name):
-    """The runs module_runs registered as `name`: their folder and each run's output. The session trains every
-    module's runs in one torchrun start, made once, whichever worker asks first: one start's cost for all. A
-    module's folder is its own: its tests (one worker's, as --dist loadfile gives each file whole) may write there."""
+    """The runs module_runs registered as `name`: their folder and each run's output. The session trains the runs
+    of every module it selected (pytest_collection_finish) in one torchrun start, made once, whichever worker asks
+    first: one start's cost for all. A module's folder is its own: its tests (one worker's, as --dist loadfile
+    gives each file whole) may write there."""
+    starting_torchrun()  # whoever made the start: a test reading it is marked
 
     def runs_by_module(folder):
         return {module: runs(folder / module, image_data) for module, (runs, _) in MODULE_RUNS.items()}
@@ -520,7 +532,8 @@ def module_start(tmp_path_factory, image_data, name):
             (folder / module).mkdir()
             if prepare:
                 prepare(folder / module)
-        train_in_one_start(folder / "logs", *(run for runs in runs_by_module(folder).values() for run in runs))
+        runs = [run for runs in runs_by_module(folder).values() for run in runs]
+        train_in_one_start(folder / "logs", *runs, timeout=MODULE_START_TIMEOUT)
 
     folder = made_once(tmp_path_factory, "module-runs", train_all)
     modules = runs_by_module(folder)
@@ -537,6 +550,7 @@ SHARED_WORKERS = ("equivalence.py", "text_equivalence.py", "comm_audit.py")
 def worker_results(tmp_path_factory):
     """Each of SHARED_WORKERS' result by script: the JSON of rank 0's last line. Run once, whichever worker asks
     first."""
+    starting_torchrun()  # whoever made the start: a test reading it is marked
 
     def run_all(folder):
         scripts = [WORKERS / script for script in SHARED_WORKERS]

@@ -324,7 +324,9 @@ def test_nodes_with_different_thread_counts_pass_the_audit(node_start):
     """One process per node leaves the thread count to the node: 1 here, 2 there (the module start's threads/
     runs). Their sums differ in the last bits; the step fingerprints (exact integer sums of the values' bits) do
     not, and verify.py passes both modes (one epoch each: every step is compared)."""
-    (node0, _), _ = node_start
+    (node0, _), stderr = node_start
+    for node, node_stderr in enumerate(stderr):  # runs 3 and 4 of the start: the threads/ pair
+        assert ["LAB_TEST_THREADS: 2 intra-op threads" in text for text in node_stderr[3:5]] == [node == 1] * 2
     result = verify(node0 / "threads")
     assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("every", "no_sync"):

@@ -33,8 +33,9 @@ LAB_TEST_HANG_IN_TEARDOWN (a number of seconds): closing the process groups hang
 LAB_TEST_NODE_TORCH_VERSION ("<node>:<version>"): on that node torch reports another version.
 LAB_TEST_CPU_BF16 (0 or 1): LAB_CPU_BF16 set to it, for one run of tests/workers/runs.py as its own process would
   have it (the precision `auto` takes decided as on a CPU with or without BF16 instructions).
-LAB_TEST_THREADS (a number): torch's intra-op threads for one run of tests/workers/runs.py, as OMP_NUM_THREADS
-  would start its process with them.
+LAB_TEST_THREADS (a number): torch.set_num_threads for one run of tests/workers/runs.py: the intra-op threads
+  its main thread computes with (the forward, the CPU backward, the optimizer), as OMP_NUM_THREADS would start a
+  process with them; threads already running (gloo's) keep theirs, and they only divide and cast.
 LAB_TEST_COUNT_DECODES (a file path): each decode of an image-folder tree appends a line to that file.
 LAB_TEST_KILL_AT (comma-separated points, the i-th for the job's i-th start: torchrun's
   TORCHELASTIC_RESTART_COUNT; "-" for none): the process that reaches the point ends at once by SIGKILL, as a
@@ -73,7 +74,7 @@ if os.environ.get("LAB_TEST_UNMARKED") and os.environ.get("TORCHELASTIC_RUN_ID")
     print(os.environ["LAB_TEST_UNMARKED"], file=sys.stderr, flush=True)
     os._exit(3)
 
-PATCHED = []  # (owner, name, what it held) for each thing an injection replaced, in order
+PATCHED = []  # each injection's (owner, name, what it held), or the call that puts it back, in order
 ABSENT = object()  # what a dict held under a name it did not have
 
 
@@ -361,6 +362,7 @@ def inject(variables):
 
         PATCHED.append(functools.partial(torch.set_num_threads, torch.get_num_threads()))
         torch.set_num_threads(int(variables["LAB_TEST_THREADS"]))
+        print(f"LAB_TEST_THREADS: {torch.get_num_threads()} intra-op threads", file=sys.stderr)
 
     if variables.get("LAB_TEST_CPU_BF16"):
         patch(os.environ, "LAB_CPU_BF16", variables["LAB_TEST_CPU_BF16"])

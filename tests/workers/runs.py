@@ -63,6 +63,21 @@ def own_injections(injections):
             del torch.optim.AdamW.step
 
 
+def run(options, refused, injections, stem, place):
+    """One run, its injections in force and its output (theirs too) in its logs; a refused run's line printed."""
+    with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), own_injections(injections):
+            try:
+                train.start(*train.parse_or_error(options), place)
+                if refused:
+                    print(f"{train.SCRIPT}: trained: no refusal", file=sys.stderr)
+            except LabError as error:
+                if not refused or error.broken_process:  # a process that cannot go on ends the start
+                    raise
+                if place.local_rank == 0:
+                    print(error.line(train.SCRIPT), file=sys.stderr)
+
+
 def main():
     logs, runs = Path(sys.argv[1]), split_runs(sys.argv[2:])
     place = launch.init_process_group(launch.launch_environment(None))
@@ -72,17 +87,11 @@ def main():
         injections = dict(word.split("=", 1) for word in words if word.startswith("LAB_TEST_"))
         options = [word for word in words if not word.startswith("LAB_TEST_")]
         stem = logs / f"{number}.rank{place.rank}"
-        with own_injections(injections), open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    train.start(*train.parse_or_error(options), place)
-                    if refused:
-                        print(f"{train.SCRIPT}: trained: no refusal", file=sys.stderr)
-                except LabError as error:
-                    if not refused or error.broken_process:  # a process that cannot go on ends the start
-                        raise
-                    if place.local_rank == 0:
-                        print(error.line(train.SCRIPT), file=sys.stderr)
+        try:
+            run(options, refused, injections, stem, place)
+        except BaseException as error:  # the start's traceback names the run, whose output is in its log
+            error.add_note(f"in run {number} of the start: {' '.join(words)} (its output: {stem}.stdout, .stderr)")
+            raise
         if refused:
             # Its error's frames freed, cycles too, and with them its output's lock (files.claim_output), as its own
             # process would have ended: a next run may write into the same output (only a refused run is followed
