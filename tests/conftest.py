@@ -144,28 +144,29 @@ def pytest_configure(config):
     )
 
 
-# The files whose tests take longest, longest first (their CPU-seconds in the whole suite, measured on the EPYC:
-# docs/tests.md). pytest-xdist (--dist loadfile --no-loadscope-reorder) hands a worker the next file in this
-# order as it runs out of tests, so that the long files start first and the two workers end together; the files
-# not named follow in their own order.
+# The files whose tests take longest, longest first (their CPU-seconds in the whole suite on the EPYC as AVX2,
+# 2026-12-06: docs/tests.md; test_packed.py's include the module start and the workers' start, which it asks for
+# first). pytest-xdist (--dist loadfile --no-loadscope-reorder) hands a worker the next file in this order as it
+# runs out of tests, so that the long files start first and the two workers end together; the files not named
+# follow in their own order.
 LONGEST_FIRST = (
-    "test_packed.py",
-    "test_resume.py",
-    "test_watch.py",
-    "test_nodes.py",
-    "test_checklist.py",
-    "test_bench_network.py",
-    "test_watch_frameworks.py",
-    "test_bench_speed.py",
-    "test_ddp_settings.py",
-    "test_faults.py",
-    "test_tools.py",
-    "test_e2e.py",
-    "test_sharded.py",
-    "test_audit_holes.py",
-    "test_checkpointing.py",
-    "test_face.py",
-    "test_verify.py",
+    "test_packed.py",  # 315
+    "test_resume.py",  # 178
+    "test_watch.py",  # 103
+    "test_nodes.py",  # 69
+    "test_checklist.py",  # 69
+    "test_bench_network.py",  # 61 (and its waits)
+    "test_watch_frameworks.py",  # 35 (and 8 s of waits)
+    "test_bench_speed.py",  # 37
+    "test_ddp_settings.py",  # 32
+    "test_faults.py",  # 30
+    "test_tools.py",  # 23
+    "test_e2e.py",  # 21
+    "test_sharded.py",  # 24
+    "test_audit_holes.py",  # 18
+    "test_checkpointing.py",  # 9
+    "test_face.py",  # 10
+    "test_verify.py",  # 7
 )
 
 
