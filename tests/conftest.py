@@ -234,6 +234,12 @@ def runs_worker_arguments(logs, runs):
     return [logs, *(argument for run in runs for argument in ("--", *map(str, run)))]
 
 
+def outputs_by_group(logs, groups):
+    """The outputs of runs trained in one start as groups (name: its runs, in the start's order), by group."""
+    outputs = iter(runs_outputs(logs, [run for runs in groups.values() for run in runs]))
+    return {name: [next(outputs) for _ in runs] for name, runs in groups.items()}
+
+
 def train_in_one_start(logs, *runs, env=None, timeout=600):
     """Several train.py runs (each a list of its options) in one torchrun start (tests/workers/runs.py): one
     start's cost for all. Returns each run's output as a finished process's: every rank's, rank 0's first."""
@@ -443,8 +449,7 @@ def shared_start(tmp_path_factory, image_data):
 
     folder = made_once(tmp_path_factory, "shared-pair", train_all)
     groups = shared_runs(folder, image_data)
-    outputs = iter(runs_outputs(folder / "logs", [run for group in groups.values() for run in group]))
-    return folder, {name: [next(outputs) for _ in group] for name, group in groups.items()}
+    return folder, outputs_by_group(folder / "logs", groups)
 
 
 @pytest.fixture(scope="session")
@@ -537,9 +542,7 @@ def module_start(tmp_path_factory, image_data, name):
         train_in_one_start(folder / "logs", *runs, timeout=MODULE_START_TIMEOUT)
 
     folder = made_once(tmp_path_factory, "module-runs", train_all)
-    modules = runs_by_module(folder)
-    outputs = iter(runs_outputs(folder / "logs", [run for runs in modules.values() for run in runs]))
-    return folder / name, {module: [next(outputs) for _ in runs] for module, runs in modules.items()}[name]
+    return folder / name, outputs_by_group(folder / "logs", runs_by_module(folder))[name]
 
 
 # The worker scripts whose results tests read (test_equivalence.py, test_packed.py, test_comm_audit.py), run in one

@@ -7,12 +7,14 @@ and epoch in micro-batches of 4 are 20 micro-batches, 5 windows of 4.
 import json
 import random
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import conftest
 from conftest import (
     MODES,
     SMALL_RUN,
@@ -106,6 +108,25 @@ def e2e_runs(folder, image_data):
     shuffled = ["--mode", "every", "--output", folder / "shuffled", "--data-dir", folder / "shuffled-data"]
     rerun = ["--mode", "every", "--output", folder / "rerun" / "every", "--data-dir", image_data, *SMALL_RUN]
     return [*one_window, [*shuffled, *SMALL_RUN, "--quiet"], [*rerun, "--quiet"]]
+
+
+def test_the_module_start_trains_only_the_runs_of_the_selected_modules(monkeypatch):
+    """conftest.pytest_collection_finish: a module none of whose tests the session selected (a file, -k) has its
+    runs left out of the module start."""
+
+    def runs_of(module):
+        def runs(folder, image_data):
+            return []
+
+        runs.__module__ = module
+        return runs
+
+    registered = {"e2e": (runs_of("test_e2e"), None), "text": (runs_of("test_packed"), None)}
+    monkeypatch.setattr(conftest, "MODULE_RUNS", registered)
+    conftest.pytest_collection_finish(
+        SimpleNamespace(items=[SimpleNamespace(module=SimpleNamespace(__name__="test_e2e"))])
+    )
+    assert list(registered) == ["e2e"]
 
 
 @pytest.fixture(scope="module")
